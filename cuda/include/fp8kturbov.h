@@ -1,0 +1,198 @@
+/*
+ * fp8kturbov — a paged KV cache with K in FP8 E4M3 (one per-tensor scale) and V in TurboQuant
+ * 2/3/4-bit Lloyd–Max codes (one E4M3 scale per 16 elements), and the two operations on it:
+ * the cache write (reshape_and_cache) and paged decode attention.
+ *
+ * The byte format is specified in docs/format.md. This header is plain C99 and needs no CUDA
+ * header: streams are passed as an opaque pointer compatible with CUstream / cudaStream_t.
+ *
+ * Conventions for every entry point:
+ *  - Pointers named *_cache, q, key, value, output, slot_mapping, block_tables, seq_lens are
+ *    DEVICE pointers. Pools (k_cache, v_cache) must be 16-byte aligned.
+ *  - Sizes named *_bytes are in bytes; *_stride without a unit suffix is in ELEMENTS.
+ *  - Nothing allocates, synchronises or prints. Every launch is stream-ordered on `stream`
+ *    (NULL = the legacy default stream) and can be captured in a CUDA graph.
+ *  - All scalar arguments are validated on the host before anything is launched; on failure the
+ *    call returns a status != FP8KTURBOV_STATUS_SUCCESS and fp8kturbov_last_error_message()
+ *    names the argument and value at fault. Zero work (num_tokens == 0, num_seqs == 0) is a
+ *    successful no-op that launches nothing.
+ */
+#ifndef FP8KTURBOV_H_
+#define FP8KTURBOV_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FP8KTURBOV_API __declspec(dllexport)
+#else
+#define FP8KTURBOV_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Versions ------------------------------------------------------------------------------ */
+#define FP8KTURBOV_VERSION_MAJOR 0
+#define FP8KTURBOV_VERSION_MINOR 1
+#define FP8KTURBOV_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH */
+#define FP8KTURBOV_VERSION \
+  (FP8KTURBOV_VERSION_MAJOR * 10000 + FP8KTURBOV_VERSION_MINOR * 100 + FP8KTURBOV_VERSION_PATCH)
+/* Bumped on any incompatible change of a signature, struct layout or enum value. */
+#define FP8KTURBOV_ABI_VERSION 1
+
+/* The library's FP8KTURBOV_VERSION and FP8KTURBOV_ABI_VERSION, for checks at load time. */
+FP8KTURBOV_API int fp8kturbov_version(void);
+FP8KTURBOV_API int fp8kturbov_abi_version(void);
+
+/* ---- Status -------------------------------------------------------------------------------- */
+/* Values are append-only. */
+typedef enum fp8kturbov_status {
+  FP8KTURBOV_STATUS_SUCCESS = 0,
+  FP8KTURBOV_STATUS_INVALID_VALUE = 1,     /* a scalar argument out of its range */
+  FP8KTURBOV_STATUS_NULL_POINTER = 2,      /* a required pointer is NULL while there is work */
+  FP8KTURBOV_STATUS_MISALIGNED = 3,        /* a pointer or stride breaks an alignment rule */
+  FP8KTURBOV_STATUS_NOT_SUPPORTED = 4,     /* a configuration this build does not contain */
+  FP8KTURBOV_STATUS_BAD_STRUCT_SIZE = 5,   /* params.struct_size unknown to this library */
+  FP8KTURBOV_STATUS_CUDA_ERROR = 6         /* the CUDA runtime refused the launch */
+} fp8kturbov_status_t;
+
+/* A static string naming the status ("FP8KTURBOV_STATUS_..."); never NULL. */
+FP8KTURBOV_API const char* fp8kturbov_status_string(fp8kturbov_status_t status);
+/* The detail message of the calling thread's last failed call ("" if none). Valid until this
+ * thread's next call into the library. */
+FP8KTURBOV_API const char* fp8kturbov_last_error_message(void);
+
+/* Opaque stream handle: pass a CUstream or cudaStream_t (or NULL). */
+typedef struct CUstream_st* fp8kturbov_stream_t;
+
+/* ---- Layout sizes (host only, no CUDA call) -------------------------------------------------- */
+/* Each returns the size in BYTES, or 0 when an argument is invalid (head_dim not a multiple of
+ * 16, bits not in {2, 3, 4}, a zero size, or overflow). */
+FP8KTURBOV_API uint64_t fp8kturbov_k_page_bytes(uint32_t block_size, uint32_t num_kv_heads,
+                                                uint32_t head_dim);
+FP8KTURBOV_API uint64_t fp8kturbov_v_data_section_bytes(uint32_t block_size,
+                                                        uint32_t num_kv_heads,
+                                                        uint32_t head_dim, uint32_t bits);
+FP8KTURBOV_API uint64_t fp8kturbov_v_page_bytes(uint32_t block_size, uint32_t num_kv_heads,
+                                                uint32_t head_dim, uint32_t bits);
+
+/* ---- Cache write ----------------------------------------------------------------------------- */
+/*
+ * Writes num_tokens rows of K and V into the paged pools.
+ *  key, value            bf16, token t's row of num_kv_heads*head_dim elements at
+ *                        key + t*key_stride / value + t*value_stride (strides in ELEMENTS).
+ *  k_cache, v_cache      uint8 pools (page p at p*k_block_stride_bytes / p*v_block_stride_bytes).
+ *  slot_mapping          int64 [num_tokens], slot = page*block_size + offset; slot < 0 writes
+ *                        nothing (padding).
+ *  v_data_section_bytes  byte offset of the scale section inside a V page.
+ * A slot's page must lie inside the pools; the library does not know their capacity.
+ */
+typedef struct fp8kturbov_write_params {
+  size_t struct_size; /* sizeof(fp8kturbov_write_params_t) of the caller's header */
+  const void* key;
+  const void* value;
+  void* k_cache;
+  void* v_cache;
+  const int64_t* slot_mapping;
+  uint32_t num_tokens;
+  uint32_t num_kv_heads;
+  uint32_t head_dim;
+  uint32_t block_size;
+  uint32_t key_stride;   /* elements */
+  uint32_t value_stride; /* elements */
+  float k_scale;         /* finite, > 0 */
+  uint32_t v_bits;       /* 2, 3 or 4 */
+  uint64_t k_block_stride_bytes;
+  uint64_t v_block_stride_bytes;
+  uint64_t v_data_section_bytes;
+} fp8kturbov_write_params_t;
+
+/* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
+FP8KTURBOV_API void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params);
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_reshape_and_cache(
+    const fp8kturbov_write_params_t* params, fp8kturbov_stream_t stream);
+
+/* The original engine's launchers, argument for argument (V bits in the name). */
+#define FP8KTURBOV_DECLARE_WRITE(BITS)                                                          \
+  FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_reshape_and_cache_fp8k_turbo##BITS##v(          \
+      const void* key, const void* value, void* k_cache, void* v_cache,                        \
+      const int64_t* slot_mapping, uint32_t num_tokens, uint32_t num_kv_heads,                 \
+      uint32_t head_dim, uint32_t block_size, uint32_t key_stride, uint32_t value_stride,      \
+      float k_scale, uint64_t k_block_stride_bytes, uint64_t v_block_stride_bytes,             \
+      uint64_t v_data_section_bytes, fp8kturbov_stream_t stream);
+FP8KTURBOV_DECLARE_WRITE(2)
+FP8KTURBOV_DECLARE_WRITE(3)
+FP8KTURBOV_DECLARE_WRITE(4)
+#undef FP8KTURBOV_DECLARE_WRITE
+
+/* ---- Paged decode attention ------------------------------------------------------------------ */
+/*
+ * One query token per sequence attends to its cached positions.
+ *  q             bf16, sequence s, query head h at q + s*q_stride + h*head_dim (q_stride in
+ *                ELEMENTS, >= num_q_heads*head_dim).
+ *  output        bf16, dense [num_seqs][num_q_heads][head_dim]; a sequence with seq_len 0 gets
+ *                zeros.
+ *  block_tables  int32 [num_seqs][max_blocks_per_seq], page ids.
+ *  seq_lens      int32 [num_seqs], cached positions per sequence (the new token included),
+ *                0 <= seq_len <= max_blocks_per_seq*block_size.
+ *  inv_sqrt_d    softmax scale (score = (q . k) * inv_sqrt_d).
+ *  sliding_window  0 = off, else only the last sliding_window positions are attended.
+ *  sparse_v_threshold  (params only) the V row of a position whose unnormalised weight
+ *                exp(score - running max) is <= the threshold may be skipped (it still counts in
+ *                the denominator). 0 = exact; the fixed-argument launchers use 1e-3.
+ * Query head h reads KV head h / (num_q_heads / num_kv_heads).
+ */
+typedef struct fp8kturbov_decode_params {
+  size_t struct_size; /* sizeof(fp8kturbov_decode_params_t) of the caller's header */
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  void* output;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  uint32_t max_blocks_per_seq;
+  uint32_t num_seqs;
+  uint32_t num_q_heads;
+  uint32_t num_kv_heads;
+  uint32_t head_dim;
+  uint32_t block_size;
+  float inv_sqrt_d;
+  float k_scale; /* finite, > 0 */
+  uint32_t q_stride; /* elements */
+  uint32_t v_bits;   /* 2, 3 or 4 */
+  uint64_t k_block_stride_bytes; /* 0 = packed (block_size*num_kv_heads*head_dim) */
+  uint64_t v_block_stride_bytes;
+  uint64_t v_data_section_bytes;
+  uint32_t sliding_window;
+  float sparse_v_threshold; /* >= 0; default 1e-3 */
+} fp8kturbov_decode_params_t;
+
+/* Fills *params with the defaults (struct_size set, v_bits = 3, sparse_v_threshold = 1e-3,
+ * everything else zero). */
+FP8KTURBOV_API void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params);
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_decode_attn(
+    const fp8kturbov_decode_params_t* params, fp8kturbov_stream_t stream);
+
+/* The original engine's launchers, argument for argument: packed K pages, sparse-V threshold
+ * 1e-3. */
+#define FP8KTURBOV_DECLARE_DECODE(BITS)                                                         \
+  FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_decode_attn_fp8k_turbo##BITS##v(         \
+      const void* q, const void* k_cache, const void* v_cache, void* output,                   \
+      const int32_t* block_tables, const int32_t* seq_lens, uint32_t max_blocks_per_seq,       \
+      uint32_t num_seqs, uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t head_dim,       \
+      uint32_t block_size, float inv_sqrt_d, float k_scale, uint32_t q_stride,                 \
+      uint64_t v_block_stride_bytes, uint64_t v_data_section_bytes, uint32_t sliding_window,   \
+      fp8kturbov_stream_t stream);
+FP8KTURBOV_DECLARE_DECODE(2)
+FP8KTURBOV_DECLARE_DECODE(3)
+FP8KTURBOV_DECLARE_DECODE(4)
+#undef FP8KTURBOV_DECLARE_DECODE
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FP8KTURBOV_H_ */

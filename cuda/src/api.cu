@@ -1,0 +1,338 @@
+// The C entry points: check the struct size, validate every scalar, dispatch, launch, report.
+// Nothing here allocates, synchronises or reads the runtime's sticky error state.
+#include <cinttypes>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+
+#include "fp8kturbov.h"
+#include "format.cuh"
+#include "entry_points.h"
+#include "kernel_args.h"
+
+namespace fp8kturbov {
+namespace {
+
+thread_local char g_last_error[512];
+
+// Records the detail message of the failing call and returns its status.
+fp8kturbov_status_t fail(fp8kturbov_status_t status, const char* entry, const char* fmt, ...) {
+  int used = std::snprintf(g_last_error, sizeof g_last_error, "%s: ", entry);
+  if (used < 0) used = 0;
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(g_last_error + used, sizeof g_last_error - used, fmt, args);
+  va_end(args);
+  return status;
+}
+
+fp8kturbov_status_t report_launch(cudaError_t err, const char* entry) {
+  if (err == cudaSuccess) return FP8KTURBOV_STATUS_SUCCESS;
+  return fail(FP8KTURBOV_STATUS_CUDA_ERROR, entry, "kernel launch failed: %s (%s)",
+              cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Returns SUCCESS or the first violated rule of the K and V page layout (FORMAT §2, §3).
+fp8kturbov_status_t check_pool_layout(const char* entry, uint32_t block_size, uint64_t row_elems,
+                                      uint32_t bits, const void* k_cache,
+                                      uint64_t k_block_stride_bytes, uint64_t v_block_stride_bytes,
+                                      uint64_t v_data_section_bytes) {
+  const uint64_t k_page = k_page_bytes(block_size, row_elems);
+  const uint64_t v_data = fp8kturbov::v_data_section_bytes(block_size, row_elems, bits);
+  const uint64_t v_scales = v_scale_section_bytes(block_size, row_elems);
+  if (k_block_stride_bytes < k_page)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "k_block_stride_bytes = %" PRIu64 " is smaller than a K page (%" PRIu64 " bytes)",
+                k_block_stride_bytes, k_page);
+  if (k_block_stride_bytes % 16 != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry,
+                "k_block_stride_bytes = %" PRIu64 " is not a multiple of 16", k_block_stride_bytes);
+  if (!is_aligned16(k_cache))
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "k_cache = %p is not 16-byte aligned",
+                k_cache);
+  if (v_data_section_bytes < v_data)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "v_data_section_bytes = %" PRIu64 " is smaller than the packed codes of a page "
+                "(%" PRIu64 " bytes)",
+                v_data_section_bytes, v_data);
+  if (v_block_stride_bytes < v_data_section_bytes + v_scales)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "v_block_stride_bytes = %" PRIu64 " is smaller than v_data_section_bytes + the "
+                "scale section (%" PRIu64 " + %" PRIu64 " bytes)",
+                v_block_stride_bytes, v_data_section_bytes, v_scales);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+fp8kturbov_status_t check_k_scale(const char* entry, float k_scale) {
+  if (!std::isfinite(k_scale) || !(k_scale > 0.0f))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "k_scale = %g must be finite and positive", double(k_scale));
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+#define FP8KTURBOV_CHECK(expr)                                \
+  do {                                                        \
+    const fp8kturbov_status_t status_ = (expr);               \
+    if (status_ != FP8KTURBOV_STATUS_SUCCESS) return status_; \
+  } while (0)
+
+#define FP8KTURBOV_REQUIRE_POINTER(ptr)                                                     \
+  do {                                                                                      \
+    if ((ptr) == nullptr)                                                                   \
+      return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "%s is NULL", #ptr);                \
+  } while (0)
+
+fp8kturbov_status_t check_struct_size(const char* entry, const void* params, size_t given,
+                                      size_t known) {
+  if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
+  if (given != known)
+    return fail(FP8KTURBOV_STATUS_BAD_STRUCT_SIZE, entry,
+                "params->struct_size = %zu, this library knows %zu", given, known);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+}  // namespace
+
+fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_t& p,
+                               cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (!is_supported_v_bits(p.v_bits))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", p.v_bits);
+  if (p.head_dim == 0 || p.head_dim % kGroupElems != 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "head_dim = %u is not a positive multiple of 16", p.head_dim);
+  if (p.num_kv_heads == 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_kv_heads = 0");
+  if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
+  const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
+  if (row_elems > UINT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_kv_heads * head_dim = %" PRIu64 " exceeds 2^32 - 1", row_elems);
+  if (p.key_stride < row_elems)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "key_stride = %u is smaller than a row (%" PRIu64 " elements)", p.key_stride,
+                row_elems);
+  if (p.value_stride < row_elems)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "value_stride = %u is smaller than a row (%" PRIu64 " elements)", p.value_stride,
+                row_elems);
+  FP8KTURBOV_CHECK(check_k_scale(entry, p.k_scale));
+  FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
+                                     p.k_block_stride_bytes, p.v_block_stride_bytes,
+                                     p.v_data_section_bytes));
+  const uint64_t blocks =
+      (uint64_t(p.num_tokens) * (row_elems / kGroupElems) + kWriteThreads - 1) /
+      kWriteThreads;
+  if (blocks > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_tokens = %u is too large for one launch at this row size", p.num_tokens);
+  if (p.num_tokens == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  FP8KTURBOV_REQUIRE_POINTER(p.key);
+  FP8KTURBOV_REQUIRE_POINTER(p.value);
+  FP8KTURBOV_REQUIRE_POINTER(p.k_cache);
+  FP8KTURBOV_REQUIRE_POINTER(p.v_cache);
+  FP8KTURBOV_REQUIRE_POINTER(p.slot_mapping);
+
+  const WriteArgs args{static_cast<const uint16_t*>(p.key),
+                       static_cast<const uint16_t*>(p.value),
+                       static_cast<uint8_t*>(p.k_cache),
+                       static_cast<uint8_t*>(p.v_cache),
+                       p.slot_mapping,
+                       p.num_tokens,
+                       uint32_t(row_elems),
+                       p.block_size,
+                       p.key_stride,
+                       p.value_stride,
+                       1.0f / p.k_scale,
+                       p.k_block_stride_bytes,
+                       p.v_block_stride_bytes,
+                       p.v_data_section_bytes};
+  switch (p.v_bits) {
+#define FP8KTURBOV_WRITE_CASE(BITS) \
+  case BITS:                        \
+    return report_launch(launch_reshape_and_cache<BITS>(args, stream), entry);
+#include "dispatch_write.inc"
+#undef FP8KTURBOV_WRITE_CASE
+    default:
+      return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                  "v_bits = %u was not built (CMake option FP8KTURBOV_V_BITS)", p.v_bits);
+  }
+}
+
+namespace {
+cudaError_t dispatch_decode(uint32_t bits, uint32_t head_dim, const DecodeArgs& args,
+                            cudaStream_t stream, bool* built) {
+  *built = true;
+#define FP8KTURBOV_DECODE_CASE(BITS, HEAD_DIM) \
+  if (bits == BITS && head_dim == HEAD_DIM) return launch_paged_decode<BITS, HEAD_DIM>(args, stream);
+#include "dispatch_decode.inc"
+#undef FP8KTURBOV_DECODE_CASE
+  *built = false;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& p,
+                                cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (!is_supported_v_bits(p.v_bits))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", p.v_bits);
+  if (p.head_dim == 0 || p.head_dim % kGroupElems != 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "head_dim = %u is not a positive multiple of 16", p.head_dim);
+  if (!is_supported_head_dim(p.head_dim))
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                "head_dim = %u is not supported (64, 128, 256, 512)", p.head_dim);
+  if (p.num_kv_heads == 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_kv_heads = 0");
+  if (p.num_q_heads == 0 || p.num_q_heads % p.num_kv_heads != 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_q_heads = %u is not a positive multiple of num_kv_heads = %u",
+                p.num_q_heads, p.num_kv_heads);
+  if (p.num_q_heads > 65535)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_q_heads = %u exceeds 65535",
+                p.num_q_heads);
+  if (p.num_seqs > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_seqs = %u exceeds 2^31 - 1",
+                p.num_seqs);
+  if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
+  if (p.max_blocks_per_seq == 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_blocks_per_seq = 0");
+  if (uint64_t(p.max_blocks_per_seq) * p.block_size > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "max_blocks_per_seq * block_size = %u * %u exceeds 2^31 - 1 positions",
+                p.max_blocks_per_seq, p.block_size);
+  const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
+  const uint64_t q_row_elems = uint64_t(p.num_q_heads) * p.head_dim;
+  if (p.q_stride < q_row_elems)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "q_stride = %u is smaller than num_q_heads * head_dim = %" PRIu64, p.q_stride,
+                q_row_elems);
+  FP8KTURBOV_CHECK(check_k_scale(entry, p.k_scale));
+  if (!std::isfinite(p.inv_sqrt_d))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "inv_sqrt_d = %g is not finite",
+                double(p.inv_sqrt_d));
+  if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "sparse_v_threshold = %g must be finite and >= 0", double(p.sparse_v_threshold));
+  const uint64_t k_block_stride_bytes =
+      p.k_block_stride_bytes != 0 ? p.k_block_stride_bytes : k_page_bytes(p.block_size, row_elems);
+  FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
+                                     k_block_stride_bytes, p.v_block_stride_bytes,
+                                     p.v_data_section_bytes));
+  if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  FP8KTURBOV_REQUIRE_POINTER(p.q);
+  FP8KTURBOV_REQUIRE_POINTER(p.k_cache);
+  FP8KTURBOV_REQUIRE_POINTER(p.v_cache);
+  FP8KTURBOV_REQUIRE_POINTER(p.output);
+  FP8KTURBOV_REQUIRE_POINTER(p.block_tables);
+  FP8KTURBOV_REQUIRE_POINTER(p.seq_lens);
+
+  const DecodeArgs args{static_cast<const uint16_t*>(p.q),
+                        static_cast<const uint8_t*>(p.k_cache),
+                        static_cast<const uint8_t*>(p.v_cache),
+                        static_cast<uint16_t*>(p.output),
+                        p.block_tables,
+                        p.seq_lens,
+                        p.max_blocks_per_seq,
+                        p.num_seqs,
+                        p.num_q_heads,
+                        p.num_kv_heads,
+                        p.block_size,
+                        p.inv_sqrt_d * p.k_scale,
+                        p.q_stride,
+                        k_block_stride_bytes,
+                        p.v_block_stride_bytes,
+                        p.v_data_section_bytes,
+                        p.sliding_window,
+                        p.sparse_v_threshold};
+  bool built = false;
+  const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, stream, &built);
+  if (!built)
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                "v_bits = %u with head_dim = %u was not built (CMake options FP8KTURBOV_V_BITS, "
+                "FP8KTURBOV_HEAD_DIMS)",
+                p.v_bits, p.head_dim);
+  return report_launch(err, entry);
+}
+
+}  // namespace fp8kturbov
+
+using namespace fp8kturbov;
+
+extern "C" {
+
+int fp8kturbov_version(void) { return FP8KTURBOV_VERSION; }
+int fp8kturbov_abi_version(void) { return FP8KTURBOV_ABI_VERSION; }
+
+const char* fp8kturbov_status_string(fp8kturbov_status_t status) {
+  switch (status) {
+    case FP8KTURBOV_STATUS_SUCCESS: return "FP8KTURBOV_STATUS_SUCCESS";
+    case FP8KTURBOV_STATUS_INVALID_VALUE: return "FP8KTURBOV_STATUS_INVALID_VALUE";
+    case FP8KTURBOV_STATUS_NULL_POINTER: return "FP8KTURBOV_STATUS_NULL_POINTER";
+    case FP8KTURBOV_STATUS_MISALIGNED: return "FP8KTURBOV_STATUS_MISALIGNED";
+    case FP8KTURBOV_STATUS_NOT_SUPPORTED: return "FP8KTURBOV_STATUS_NOT_SUPPORTED";
+    case FP8KTURBOV_STATUS_BAD_STRUCT_SIZE: return "FP8KTURBOV_STATUS_BAD_STRUCT_SIZE";
+    case FP8KTURBOV_STATUS_CUDA_ERROR: return "FP8KTURBOV_STATUS_CUDA_ERROR";
+  }
+  return "FP8KTURBOV_STATUS_UNKNOWN";
+}
+
+const char* fp8kturbov_last_error_message(void) { return g_last_error; }
+
+uint64_t fp8kturbov_k_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim) {
+  if (block_size == 0 || num_kv_heads == 0 || head_dim == 0 || head_dim % kGroupElems != 0)
+    return 0;
+  return k_page_bytes(block_size, uint64_t(num_kv_heads) * head_dim);
+}
+
+uint64_t fp8kturbov_v_data_section_bytes(uint32_t block_size, uint32_t num_kv_heads,
+                                         uint32_t head_dim, uint32_t bits) {
+  if (!is_supported_v_bits(bits) || fp8kturbov_k_page_bytes(block_size, num_kv_heads, head_dim) == 0)
+    return 0;
+  return v_data_section_bytes(block_size, uint64_t(num_kv_heads) * head_dim, bits);
+}
+
+uint64_t fp8kturbov_v_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim,
+                                 uint32_t bits) {
+  if (fp8kturbov_v_data_section_bytes(block_size, num_kv_heads, head_dim, bits) == 0) return 0;
+  return v_page_bytes(block_size, uint64_t(num_kv_heads) * head_dim, bits);
+}
+
+void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params) {
+  if (params == nullptr) return;
+  *params = fp8kturbov_write_params_t{};
+  params->struct_size = sizeof(fp8kturbov_write_params_t);
+  params->v_bits = 3;
+}
+
+void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params) {
+  if (params == nullptr) return;
+  *params = fp8kturbov_decode_params_t{};
+  params->struct_size = sizeof(fp8kturbov_decode_params_t);
+  params->v_bits = 3;
+  params->sparse_v_threshold = 1e-3f;
+}
+
+fp8kturbov_status_t fp8kturbov_reshape_and_cache(const fp8kturbov_write_params_t* params,
+                                                 fp8kturbov_stream_t stream) {
+  const char* entry = "fp8kturbov_reshape_and_cache";
+  g_last_error[0] = '\0';
+  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
+                                     sizeof(fp8kturbov_write_params_t)));
+  return write_impl(entry, *params, reinterpret_cast<cudaStream_t>(stream));
+}
+
+fp8kturbov_status_t fp8kturbov_paged_decode_attn(const fp8kturbov_decode_params_t* params,
+                                                 fp8kturbov_stream_t stream) {
+  const char* entry = "fp8kturbov_paged_decode_attn";
+  g_last_error[0] = '\0';
+  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
+                                     sizeof(fp8kturbov_decode_params_t)));
+  return decode_impl(entry, *params, reinterpret_cast<cudaStream_t>(stream));
+}
+
+}  // extern "C"

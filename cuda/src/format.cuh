@@ -1,0 +1,184 @@
+// Every byte rule of the fp8k_turbo{2,3,4}v format (docs/format.md, "FORMAT" below), in one place.
+// Host and device code both include this header; nothing here launches anything.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace fp8kturbov {
+
+// FORMAT §3: a group is 16 consecutive elements of a token row with one E4M3 scale.
+constexpr int kGroupElems = 16;
+constexpr float kE4M3Max = 448.0f;
+
+// FORMAT §1: head dims the kernels are instantiated for.
+constexpr bool is_supported_head_dim(uint32_t head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256 || head_dim == 512;
+}
+constexpr bool is_supported_v_bits(uint32_t bits) { return bits >= 2 && bits <= 4; }
+
+// FORMAT §3: bytes of packed codes per group (8, 6, 4 for 4, 3, 2 bits).
+__host__ __device__ constexpr uint32_t v_group_bytes(uint32_t bits) { return 2 * bits; }
+
+// FORMAT §2 and §3: packed page sizes in bytes, for a token row of n = num_kv_heads * head_dim.
+constexpr uint64_t k_page_bytes(uint64_t block_size, uint64_t row_elems) {
+  return block_size * row_elems;
+}
+constexpr uint64_t v_data_section_bytes(uint64_t block_size, uint64_t row_elems, uint32_t bits) {
+  return block_size * row_elems * bits / 8;
+}
+constexpr uint64_t v_scale_section_bytes(uint64_t block_size, uint64_t row_elems) {
+  return block_size * row_elems / kGroupElems;
+}
+constexpr uint64_t v_page_bytes(uint64_t block_size, uint64_t row_elems, uint32_t bits) {
+  return v_data_section_bytes(block_size, row_elems, bits) +
+         v_scale_section_bytes(block_size, row_elems);
+}
+static_assert(v_page_bytes(16, 128, 4) == 9 * 16 * 128 / 16, "FORMAT §3: 4-bit page is 9Bn/16");
+static_assert(v_page_bytes(16, 128, 3) == 7 * 16 * 128 / 16, "FORMAT §3: 3-bit page is 7Bn/16");
+static_assert(v_page_bytes(16, 128, 2) == 5 * 16 * 128 / 16, "FORMAT §3: 2-bit page is 5Bn/16");
+
+// FORMAT §3.1: Lloyd–Max levels (code 0 … 2^b−1) and ascending decision bounds, as float32.
+// Device tables live in constant memory (internal linkage: one copy per translation unit).
+static __constant__ float kLevels4[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f,
+                                          -0.9423f, -0.6568f, -0.3880f, -0.1284f,
+                                          0.1284f,  0.3880f,  0.6568f,  0.9423f,
+                                          1.2562f,  1.6180f,  2.0690f,  2.7326f};
+static __constant__ float kBounds4[15] = {-2.4008f, -1.8435f, -1.4371f, -1.0993f, -0.7996f,
+                                          -0.5224f, -0.2582f, 0.0f,     0.2582f,  0.5224f,
+                                          0.7996f,  1.0993f,  1.4371f,  1.8435f,  2.4008f};
+static __constant__ float kLevels3[8] = {-2.1520f, -1.3440f, -0.7560f, -0.2451f,
+                                         0.2451f,  0.7560f,  1.3440f,  2.1520f};
+static __constant__ float kBounds3[7] = {-1.748f, -1.050f, -0.501f, 0.0f, 0.501f, 1.050f, 1.748f};
+static __constant__ float kLevels2[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+static __constant__ float kBounds2[3] = {-0.9816f, 0.0f, 0.9816f};
+
+template <int BITS>
+struct Codebook;
+template <>
+struct Codebook<4> {
+  static constexpr float kMax = 2.7326f;
+  static __device__ __forceinline__ const float* levels() { return kLevels4; }
+  static __device__ __forceinline__ const float* bounds() { return kBounds4; }
+};
+template <>
+struct Codebook<3> {
+  static constexpr float kMax = 2.1520f;
+  static __device__ __forceinline__ const float* levels() { return kLevels3; }
+  static __device__ __forceinline__ const float* bounds() { return kBounds3; }
+};
+template <>
+struct Codebook<2> {
+  static constexpr float kMax = 1.5104f;
+  static __device__ __forceinline__ const float* levels() { return kLevels2; }
+  static __device__ __forceinline__ const float* bounds() { return kBounds2; }
+};
+
+// FORMAT §2: E4M3_rn_satfinite (round to nearest even, finite overflow saturates to ±448,
+// NaN -> 0x7F). The hardware conversion does exactly this.
+__device__ __forceinline__ uint8_t e4m3_encode(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float e4m3_decode(uint8_t byte) {
+  __nv_fp8_e4m3 v;
+  v.__x = byte;
+  return static_cast<float>(v);
+}
+
+// FORMAT §3.2: the reference "matched-norm" encoder for one group of 16 values.
+// Arithmetic is explicit round-to-nearest without fused multiply-add and the sums run
+// sequentially, which makes the bytes identical to the original engine's (built with
+// --fmad=false) and to the NumPy reference.
+template <int BITS>
+struct EncodedGroup {
+  uint8_t codes[kGroupElems];
+  uint8_t scale_byte;
+};
+
+template <int BITS>
+__device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kGroupElems]) {
+  using CB = Codebook<BITS>;
+  float n2 = 0.0f;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kGroupElems; ++i) {
+    n2 = __fadd_rn(n2, __fmul_rn(x[i], x[i]));
+    amax = fmaxf(amax, fabsf(x[i]));  // NaN-ignoring, as FORMAT §3.2 step 1
+  }
+  const float inv = amax > 1e-12f ? __fdiv_rn(CB::kMax, amax) : 1.0f;
+
+  EncodedGroup<BITS> out;
+  float r2 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kGroupElems; ++i) {
+    const float y = __fmul_rn(x[i], inv);
+    uint8_t code = 0;
+#pragma unroll
+    for (int b = 0; b < (1 << BITS) - 1; ++b) code += (y >= CB::bounds()[b]) ? 1 : 0;
+    out.codes[i] = code;
+    const float level = CB::levels()[code];
+    r2 = __fadd_rn(r2, __fmul_rn(level, level));
+  }
+  const float root_r2 = __fsqrt_rn(r2);
+  float s = root_r2 > 1e-10f ? __fdiv_rn(__fsqrt_rn(n2), root_r2) : 0.0f;
+  s = s > kE4M3Max ? kE4M3Max : s;  // written so that NaN stays NaN (not fminf)
+  out.scale_byte = e4m3_encode(s);
+  return out;
+}
+
+// FORMAT §3.3: packing of 16 codes into 2*BITS bytes, little-endian bit order.
+template <int BITS>
+__device__ __forceinline__ void pack_group(const uint8_t (&codes)[kGroupElems],
+                                           uint8_t (&bytes)[2 * BITS]) {
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) bytes[j] = codes[2 * j] | (codes[2 * j + 1] << 4);
+  } else if constexpr (BITS == 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      bytes[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) |
+                 (codes[4 * j + 3] << 6);
+  } else {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {  // two 24-bit triplets of 8 codes each
+      uint32_t triplet = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) triplet |= uint32_t(codes[8 * t + i]) << (3 * i);
+      bytes[3 * t + 0] = triplet & 0xFF;
+      bytes[3 * t + 1] = (triplet >> 8) & 0xFF;
+      bytes[3 * t + 2] = (triplet >> 16) & 0xFF;
+    }
+  }
+}
+
+// FORMAT §3.3: code of element i (0…15) of a group whose packed bytes start at `bytes`.
+template <int BITS>
+__device__ __forceinline__ uint32_t unpack_code(const uint8_t* bytes, int i) {
+  if constexpr (BITS == 4) {
+    return (bytes[i >> 1] >> ((i & 1) * 4)) & 0xF;
+  } else if constexpr (BITS == 2) {
+    return (bytes[i >> 2] >> ((i & 3) * 2)) & 0x3;
+  } else {
+    const uint8_t* t = bytes + 3 * (i >> 3);
+    const uint32_t triplet = t[0] | (uint32_t(t[1]) << 8) | (uint32_t(t[2]) << 16);
+    return (triplet >> (3 * (i & 7))) & 0x7;
+  }
+}
+
+// FORMAT §3: byte offsets of slot offset `o` inside a V page; group `g` counts from the row start.
+struct VPageLayout {
+  uint64_t row_data_bytes;   // n * b / 8
+  uint64_t row_scale_bytes;  // n / 16
+  uint64_t data_section_bytes;
+  __host__ __device__ uint64_t data_offset(uint32_t o, uint32_t g, uint32_t bits) const {
+    return o * row_data_bytes + uint64_t(g) * v_group_bytes(bits);
+  }
+  __host__ __device__ uint64_t scale_offset(uint32_t o, uint32_t g) const {
+    return data_section_bytes + o * row_scale_bytes + g;
+  }
+};
+
+}  // namespace fp8kturbov

@@ -1,0 +1,41 @@
+"""fp8kturbov: a paged KV cache with FP8 E4M3 keys and TurboQuant 2/3/4-bit values.
+
+The raw-pointer launchers mirror the C ABI one to one (``reshape_and_cache_fp8k_turbo3v``,
+``paged_decode_attn_fp8k_turbo3v``, ...); ``CacheLayout`` gives the pool sizes and strides; the
+NumPy reference of the byte format is ``fp8kturbov.reference`` (needs ``ml-dtypes``).
+"""
+
+from ._errors import (
+    BadStructSizeError,
+    CudaError,
+    Fp8kturbovError,
+    InvalidValueError,
+    MisalignedError,
+    NotSupportedError,
+    NullPointerError,
+    Status,
+)
+from ._lib import ABI_VERSION, library_path, version
+from .layout import CacheLayout
+from .ops import (
+    paged_decode_attn,
+    paged_decode_attn_fp8k_turbo2v,
+    paged_decode_attn_fp8k_turbo3v,
+    paged_decode_attn_fp8k_turbo4v,
+    reshape_and_cache,
+    reshape_and_cache_fp8k_turbo2v,
+    reshape_and_cache_fp8k_turbo3v,
+    reshape_and_cache_fp8k_turbo4v,
+    stream_handle,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABI_VERSION", "BadStructSizeError", "CacheLayout", "CudaError", "Fp8kturbovError",
+    "InvalidValueError", "MisalignedError", "NotSupportedError", "NullPointerError", "Status",
+    "library_path", "paged_decode_attn", "paged_decode_attn_fp8k_turbo2v",
+    "paged_decode_attn_fp8k_turbo3v", "paged_decode_attn_fp8k_turbo4v", "reshape_and_cache",
+    "reshape_and_cache_fp8k_turbo2v", "reshape_and_cache_fp8k_turbo3v",
+    "reshape_and_cache_fp8k_turbo4v", "stream_handle", "version",
+]

@@ -1,0 +1,143 @@
+"""Loads ``libfp8kturbov.so`` once, declares every C signature and checks the ABI version."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+from ._errors import Status, error_for
+
+#: The ABI this package was written against (``FP8KTURBOV_ABI_VERSION`` of the header).
+ABI_VERSION = 1
+LIBRARY_NAME = "libfp8kturbov.so"
+LIBRARY_ENV = "FP8KTURBOV_LIBRARY"
+
+_u32 = ctypes.c_uint32
+_u64 = ctypes.c_uint64
+_f32 = ctypes.c_float
+_ptr = ctypes.c_void_p
+_status = ctypes.c_int
+
+
+class WriteParams(ctypes.Structure):
+    """Mirror of ``fp8kturbov_write_params_t``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("key", _ptr),
+        ("value", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("slot_mapping", _ptr),
+        ("num_tokens", _u32),
+        ("num_kv_heads", _u32),
+        ("head_dim", _u32),
+        ("block_size", _u32),
+        ("key_stride", _u32),
+        ("value_stride", _u32),
+        ("k_scale", _f32),
+        ("v_bits", _u32),
+        ("k_block_stride_bytes", _u64),
+        ("v_block_stride_bytes", _u64),
+        ("v_data_section_bytes", _u64),
+    ]
+
+
+class DecodeParams(ctypes.Structure):
+    """Mirror of ``fp8kturbov_decode_params_t``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("q", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("output", _ptr),
+        ("block_tables", _ptr),
+        ("seq_lens", _ptr),
+        ("max_blocks_per_seq", _u32),
+        ("num_seqs", _u32),
+        ("num_q_heads", _u32),
+        ("num_kv_heads", _u32),
+        ("head_dim", _u32),
+        ("block_size", _u32),
+        ("inv_sqrt_d", _f32),
+        ("k_scale", _f32),
+        ("q_stride", _u32),
+        ("v_bits", _u32),
+        ("k_block_stride_bytes", _u64),
+        ("v_block_stride_bytes", _u64),
+        ("v_data_section_bytes", _u64),
+        ("sliding_window", _u32),
+        ("sparse_v_threshold", _f32),
+    ]
+
+
+WRITE_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _u32, _u32, _u32, _u32, _u32, _u32, _f32,
+                  _u64, _u64, _u64, _ptr]
+DECODE_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _u32, _u32, _u32, _u32, _u32, _u32,
+                   _f32, _f32, _u32, _u64, _u64, _u32, _ptr]
+
+#: Every exported function: name -> (restype, argtypes).
+SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "fp8kturbov_version": (ctypes.c_int, []),
+    "fp8kturbov_abi_version": (ctypes.c_int, []),
+    "fp8kturbov_status_string": (ctypes.c_char_p, [_status]),
+    "fp8kturbov_last_error_message": (ctypes.c_char_p, []),
+    "fp8kturbov_k_page_bytes": (_u64, [_u32, _u32, _u32]),
+    "fp8kturbov_v_data_section_bytes": (_u64, [_u32, _u32, _u32, _u32]),
+    "fp8kturbov_v_page_bytes": (_u64, [_u32, _u32, _u32, _u32]),
+    "fp8kturbov_write_params_init": (None, [ctypes.POINTER(WriteParams)]),
+    "fp8kturbov_reshape_and_cache": (_status, [ctypes.POINTER(WriteParams), _ptr]),
+    "fp8kturbov_decode_params_init": (None, [ctypes.POINTER(DecodeParams)]),
+    "fp8kturbov_paged_decode_attn": (_status, [ctypes.POINTER(DecodeParams), _ptr]),
+    **{f"fp8kturbov_reshape_and_cache_fp8k_turbo{b}v": (_status, WRITE_ARGTYPES) for b in (2, 3, 4)},
+    **{f"fp8kturbov_paged_decode_attn_fp8k_turbo{b}v": (_status, DECODE_ARGTYPES) for b in (2, 3, 4)},
+}
+
+
+def library_path() -> Path:
+    """Where the shared library is loaded from: ``$FP8KTURBOV_LIBRARY`` or the package folder."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return Path(override)
+    package_path = list(sys.modules[__package__].__path__)
+    for folder in package_path:
+        candidate = Path(folder) / LIBRARY_NAME
+        if candidate.exists():
+            return candidate
+    raise ImportError(
+        f"{LIBRARY_NAME} is not in the fp8kturbov package ({', '.join(package_path)}); "
+        f"install the package with pip, or point {LIBRARY_ENV} at a built library"
+    )
+
+
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library_path()))
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    found = lib.fp8kturbov_abi_version()
+    if found != ABI_VERSION:
+        raise ImportError(
+            f"{library_path()} has ABI version {found}, this package needs {ABI_VERSION}"
+        )
+    return lib
+
+
+lib = _load()
+
+
+def check(status: int) -> None:
+    """Raise the exception of a failed call, with the C library's detail message."""
+    if status != Status.SUCCESS:
+        message = lib.fp8kturbov_last_error_message().decode("utf-8", "replace")
+        raise error_for(status, message)
+
+
+def version() -> str:
+    """The library version as ``major.minor.patch``."""
+    v = lib.fp8kturbov_version()
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"

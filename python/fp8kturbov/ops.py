@@ -1,0 +1,170 @@
+"""Raw-pointer launches: the C entry points one to one, for engines that manage their own memory.
+
+Every pointer is a device address given as an ``int`` (0 for none). Sizes named ``*_bytes`` are in
+bytes, ``*_stride`` without a unit in elements. ``stream`` may be ``None`` (the legacy default
+stream), an ``int`` handle, a ``cuda.bindings.driver.CUstream`` or any object implementing
+``__cuda_stream__``. Launches are asynchronous; argument errors raise before anything is launched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+from ._errors import InvalidValueError, Status
+from ._lib import DecodeParams, WriteParams, check, lib
+
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+_F32_MAX = 3.4028234663852886e38
+
+
+def stream_handle(stream: Any) -> int:
+    """The raw ``CUstream`` value of ``stream`` (see the module docstring for accepted kinds)."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        _version, handle = protocol() if callable(protocol) else protocol
+        return int(handle)
+    from cuda.bindings import driver
+
+    if isinstance(stream, driver.CUstream):
+        return int(stream)
+    raise TypeError(f"stream: expected None, int, CUstream or __cuda_stream__, got {type(stream)!r}")
+
+
+def _unsigned(name: str, value: int, limit: int) -> int:
+    """``value`` as an unsigned C integer; ctypes would silently wrap anything out of range."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} is not an integer in [0, {limit}]")
+    return value
+
+
+def _float32(name: str, value: float) -> float:
+    value = float(value)
+    if math.isfinite(value) and abs(value) > _F32_MAX:
+        raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} overflows float32")
+    return value
+
+
+def _pointer(name: str, value: int) -> int:
+    return _unsigned(name, value, _U64_MAX)
+
+
+def _fill(params: ctypes.Structure, values: dict[str, Any]) -> None:
+    """Set the struct fields from ``values``, range-checking each by its C type."""
+    for name, ctype in params._fields_:
+        if name == "struct_size" or name not in values:
+            continue
+        value = values[name]
+        if ctype is ctypes.c_void_p:
+            value = _pointer(name, value)
+        elif ctype is ctypes.c_uint32:
+            value = _unsigned(name, value, _U32_MAX)
+        elif ctype is ctypes.c_uint64:
+            value = _unsigned(name, value, _U64_MAX)
+        elif ctype is ctypes.c_float:
+            value = _float32(name, value)
+        setattr(params, name, value)
+
+
+def reshape_and_cache(
+    key: int, value: int, k_cache: int, v_cache: int, slot_mapping: int, *,
+    num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
+    key_stride: int, value_stride: int, k_scale: float, v_bits: int,
+    k_block_stride_bytes: int, v_block_stride_bytes: int, v_data_section_bytes: int,
+    stream: Any = None,
+) -> None:
+    """Write K/V rows into the pools (``fp8kturbov_reshape_and_cache``); see the C header."""
+    fields = dict(locals())
+    params = WriteParams()
+    lib.fp8kturbov_write_params_init(ctypes.byref(params))
+    _fill(params, fields)
+    check(lib.fp8kturbov_reshape_and_cache(ctypes.byref(params), stream_handle(stream)))
+
+
+def paged_decode_attn(
+    q: int, k_cache: int, v_cache: int, output: int, block_tables: int, seq_lens: int, *,
+    max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
+    head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float, q_stride: int,
+    v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
+    k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
+    stream: Any = None,
+) -> None:
+    """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
+
+    ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact.
+    """
+    fields = dict(locals())
+    params = DecodeParams()
+    lib.fp8kturbov_decode_params_init(ctypes.byref(params))
+    _fill(params, fields)
+    check(lib.fp8kturbov_paged_decode_attn(ctypes.byref(params), stream_handle(stream)))
+
+
+def _call_fixed(c_function, params_type: type[ctypes.Structure], names: tuple[str, ...],
+                values: tuple[Any, ...], stream: Any) -> None:
+    """Range-check ``values`` by the C types of the matching struct fields, then call."""
+    _fill(params_type(), dict(zip(names, values)))
+    check(c_function(*values, stream_handle(stream)))
+
+
+_WRITE_ARG_NAMES = ("key", "value", "k_cache", "v_cache", "slot_mapping", "num_tokens",
+                    "num_kv_heads", "head_dim", "block_size", "key_stride", "value_stride",
+                    "k_scale", "k_block_stride_bytes", "v_block_stride_bytes",
+                    "v_data_section_bytes")
+_DECODE_ARG_NAMES = ("q", "k_cache", "v_cache", "output", "block_tables", "seq_lens",
+                     "max_blocks_per_seq", "num_seqs", "num_q_heads", "num_kv_heads", "head_dim",
+                     "block_size", "inv_sqrt_d", "k_scale", "q_stride", "v_block_stride_bytes",
+                     "v_data_section_bytes", "sliding_window")
+
+
+def _fixed_bits_write(bits: int):
+    c_function = getattr(lib, f"fp8kturbov_reshape_and_cache_fp8k_turbo{bits}v")
+
+    def launcher(key: int, value: int, k_cache: int, v_cache: int, slot_mapping: int,
+                 num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 key_stride: int, value_stride: int, k_scale: float,
+                 k_block_stride_bytes: int, v_block_stride_bytes: int,
+                 v_data_section_bytes: int, stream: Any = None) -> None:
+        _call_fixed(c_function, WriteParams, _WRITE_ARG_NAMES,
+                    (key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads,
+                     head_dim, block_size, key_stride, value_stride, k_scale,
+                     k_block_stride_bytes, v_block_stride_bytes, v_data_section_bytes), stream)
+
+    launcher.__name__ = launcher.__qualname__ = f"reshape_and_cache_fp8k_turbo{bits}v"
+    launcher.__doc__ = (f"``fp8kturbov_reshape_and_cache_fp8k_turbo{bits}v``: the original engine's "
+                        f"{bits}-bit write launcher, argument for argument.")
+    return launcher
+
+
+def _fixed_bits_decode(bits: int):
+    c_function = getattr(lib, f"fp8kturbov_paged_decode_attn_fp8k_turbo{bits}v")
+
+    def launcher(q: int, k_cache: int, v_cache: int, output: int, block_tables: int,
+                 seq_lens: int, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, block_size: int, inv_sqrt_d: float,
+                 k_scale: float, q_stride: int, v_block_stride_bytes: int,
+                 v_data_section_bytes: int, sliding_window: int, stream: Any = None) -> None:
+        _call_fixed(c_function, DecodeParams, _DECODE_ARG_NAMES,
+                    (q, k_cache, v_cache, output, block_tables, seq_lens, max_blocks_per_seq,
+                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, inv_sqrt_d,
+                     k_scale, q_stride, v_block_stride_bytes, v_data_section_bytes,
+                     sliding_window), stream)
+
+    launcher.__name__ = launcher.__qualname__ = f"paged_decode_attn_fp8k_turbo{bits}v"
+    launcher.__doc__ = (f"``fp8kturbov_paged_decode_attn_fp8k_turbo{bits}v``: the original engine's "
+                        f"{bits}-bit decode launcher (packed K pages, sparse-V threshold 1e-3).")
+    return launcher
+
+
+reshape_and_cache_fp8k_turbo2v = _fixed_bits_write(2)
+reshape_and_cache_fp8k_turbo3v = _fixed_bits_write(3)
+reshape_and_cache_fp8k_turbo4v = _fixed_bits_write(4)
+paged_decode_attn_fp8k_turbo2v = _fixed_bits_decode(2)
+paged_decode_attn_fp8k_turbo3v = _fixed_bits_decode(3)
+paged_decode_attn_fp8k_turbo4v = _fixed_bits_decode(4)

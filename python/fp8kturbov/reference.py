@@ -1,0 +1,344 @@
+"""Bit-exact NumPy reference of the fp8k_turbo{2,3,4}v paged KV-cache format.
+
+Every rule here is a transcription of ``/work/shared/FORMAT.md`` (the contract); each function names the
+section it implements. The code is written to be read: all encoder arithmetic is done in float32 with
+separate numpy operations (no fused multiply-add) and with the sums taken sequentially over the 16
+elements of a group, exactly as FORMAT.md §3.2 prescribes; attention (§5) is done in float64.
+
+Units: sizes and strides named ``*_bytes`` are bytes; ``key_stride``, ``value_stride`` and ``q_stride``
+are elements; ``n = num_kv_heads * head_dim`` is the number of elements in one token row.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = [
+    "BOUNDS", "CODEBOOKS", "E4M3_MAX", "GROUP_ELEMS", "LEVEL_MAX",
+    "k_page_bytes", "v_data_section_bytes", "v_scale_section_bytes", "v_page_bytes", "v_group_bytes",
+    "e4m3_encode", "e4m3_decode", "encode_k", "decode_k", "pack_codes", "unpack_codes",
+    "encode_v", "decode_v", "write_cache", "paged_decode",
+]
+
+GROUP_ELEMS = 16
+"""Elements per V group (one scale byte each), FORMAT.md §3."""
+E4M3_MAX = 448.0
+"""Largest finite E4M3 (e4m3fn) magnitude."""
+
+# FORMAT.md §3.1: unit-variance Gaussian Lloyd-Max levels (code 0 ... 2^b - 1) and decision bounds.
+CODEBOOKS: dict[int, NDArray[np.float32]] = {
+    4: np.array([-2.7326, -2.0690, -1.6180, -1.2562, -0.9423, -0.6568, -0.3880, -0.1284,
+                 0.1284, 0.3880, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326], dtype=np.float32),
+    3: np.array([-2.1520, -1.3440, -0.7560, -0.2451, 0.2451, 0.7560, 1.3440, 2.1520], dtype=np.float32),
+    2: np.array([-1.5104, -0.4528, 0.4528, 1.5104], dtype=np.float32),
+}
+BOUNDS: dict[int, NDArray[np.float32]] = {
+    4: np.array([-2.4008, -1.8435, -1.4371, -1.0993, -0.7996, -0.5224, -0.2582, 0.0,
+                 0.2582, 0.5224, 0.7996, 1.0993, 1.4371, 1.8435, 2.4008], dtype=np.float32),
+    3: np.array([-1.748, -1.050, -0.501, 0.0, 0.501, 1.050, 1.748], dtype=np.float32),
+    2: np.array([-0.9816, 0.0, 0.9816], dtype=np.float32),
+}
+LEVEL_MAX: dict[int, np.float32] = {b: np.float32(levels[-1]) for b, levels in CODEBOOKS.items()}
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in CODEBOOKS:
+        raise ValueError(f"V bits must be 2, 3 or 4, got {bits}")
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim <= 0 or head_dim % GROUP_ELEMS != 0:
+        raise ValueError(f"head_dim must be a positive multiple of {GROUP_ELEMS}, got {head_dim}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sizes (FORMAT.md §2, §3). All results are bytes.
+# ---------------------------------------------------------------------------------------------------
+def k_page_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Packed K page, bytes: ``B·n`` (one E4M3 byte per element), FORMAT.md §2."""
+    _check_head_dim(head_dim)
+    return block_size * num_kv_heads * head_dim
+
+
+def v_data_section_bytes(block_size: int, num_kv_heads: int, head_dim: int, bits: int) -> int:
+    """Packed V data section, bytes: ``B·n·b/8``, FORMAT.md §3."""
+    _check_head_dim(head_dim)
+    _check_bits(bits)
+    return block_size * num_kv_heads * head_dim * bits // 8
+
+
+def v_scale_section_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """V scale section, bytes: ``B·n/16`` (one E4M3 byte per 16-element group), FORMAT.md §3."""
+    _check_head_dim(head_dim)
+    return block_size * num_kv_heads * head_dim // GROUP_ELEMS
+
+
+def v_page_bytes(block_size: int, num_kv_heads: int, head_dim: int, bits: int) -> int:
+    """Packed V page, bytes: data section + scale section = ``(2b+1)·B·n/16``, FORMAT.md §3."""
+    return (v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
+            + v_scale_section_bytes(block_size, num_kv_heads, head_dim))
+
+
+def v_group_bytes(bits: int) -> int:
+    """Packed codes of one 16-element group, bytes: ``2b`` (8, 6, 4), FORMAT.md §3."""
+    _check_bits(bits)
+    return 2 * bits
+
+
+# ---------------------------------------------------------------------------------------------------
+# E4M3 and K (FORMAT.md §2)
+# ---------------------------------------------------------------------------------------------------
+def e4m3_encode(x: ArrayLike) -> NDArray[np.uint8]:
+    """E4M3_rn_satfinite of float32 values, one byte per element (FORMAT.md §2).
+
+    Round to nearest even; finite overflow and ±inf saturate to ±448 (0x7E/0xFE); NaN of either sign
+    becomes 0x7F.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore"):  # NaN is replaced below
+        rounded = np.clip(x, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return np.where(np.isnan(x), np.uint8(0x7F), rounded)
+
+
+def e4m3_decode(b: ArrayLike) -> NDArray[np.float32]:
+    """Float32 value of E4M3 bytes (0x7F/0xFF are NaN), FORMAT.md §2."""
+    return np.asarray(b, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def encode_k(x: ArrayLike, k_scale: float) -> NDArray[np.uint8]:
+    """K bytes of float32/bfloat16 values, any shape: ``E4M3(x · (1.0f / k_scale))``, FORMAT.md §2."""
+    inv = np.float32(1.0) / np.float32(k_scale)  # once, in float32; then a multiply per element
+    return e4m3_encode(np.asarray(x).astype(np.float32) * inv)
+
+
+def decode_k(b: ArrayLike, k_scale: float) -> NDArray[np.float32]:
+    """Float32 K values of K bytes: ``float(E4M3(byte)) · k_scale``, FORMAT.md §2."""
+    return e4m3_decode(b) * np.float32(k_scale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# V codes, packing and the matched-norm encoder (FORMAT.md §3)
+# ---------------------------------------------------------------------------------------------------
+def pack_codes(codes: ArrayLike, bits: int) -> NDArray[np.uint8]:
+    """Pack b-bit codes ``[..., n]`` (n % 16 == 0, elements) into bytes ``[..., n·b/8]``, FORMAT.md §3.3.
+
+    Groups are packed back to back, so the packing is applied along the whole last axis.
+    """
+    _check_bits(bits)
+    c = np.asarray(codes).astype(np.uint8)
+    n = c.shape[-1]
+    if n % GROUP_ELEMS != 0:
+        raise ValueError(f"last axis must be a multiple of {GROUP_ELEMS} codes, got {n}")
+    if np.any(c >= (1 << bits)):
+        raise ValueError(f"codes must be < {1 << bits} for {bits}-bit packing")
+    lead = c.shape[:-1]
+    if bits == 4:  # byte j = c[2j] | c[2j+1] << 4
+        out = c[..., 0::2] | (c[..., 1::2] << 4)
+    elif bits == 2:  # byte j = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6
+        out = c[..., 0::4] | (c[..., 1::4] << 2) | (c[..., 2::4] << 4) | (c[..., 3::4] << 6)
+    else:  # 3-bit: each 8 codes form a 24-bit little-endian word, code i at bits 3i ... 3i+2
+        eights = c.reshape(*lead, n // 8, 8).astype(np.uint32)
+        word = np.zeros(eights.shape[:-1], dtype=np.uint32)
+        for i in range(8):
+            word |= eights[..., i] << np.uint32(3 * i)
+        out = np.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], axis=-1).astype(np.uint8)
+    return out.reshape(*lead, n * bits // 8)
+
+
+def unpack_codes(data: ArrayLike, bits: int) -> NDArray[np.uint8]:
+    """Inverse of `pack_codes`: bytes ``[..., m]`` (m % 2b == 0) to codes ``[..., 8m/b]``, FORMAT.md §3.3."""
+    _check_bits(bits)
+    d = np.asarray(data, dtype=np.uint8)
+    m = d.shape[-1]
+    if m % v_group_bytes(bits) != 0:
+        raise ValueError(f"last axis must be a multiple of {v_group_bytes(bits)} bytes, got {m}")
+    lead = d.shape[:-1]
+    if bits == 4:
+        out = np.stack([d & 0xF, d >> 4], axis=-1)
+    elif bits == 2:
+        out = np.stack([(d >> (2 * k)) & 0x3 for k in range(4)], axis=-1)
+    else:
+        trip = d.reshape(*lead, m // 3, 3).astype(np.uint32)
+        word = trip[..., 0] | (trip[..., 1] << np.uint32(8)) | (trip[..., 2] << np.uint32(16))
+        out = np.stack([(word >> np.uint32(3 * i)) & 0x7 for i in range(8)], axis=-1)
+    return out.astype(np.uint8).reshape(*lead, m * 8 // bits)
+
+
+def encode_v(x: ArrayLike, bits: int) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
+    """Matched-norm V encoder, FORMAT.md §3.2, packed per §3.3.
+
+    ``x``: float32 or bfloat16 ``[..., n]`` with ``n % 16 == 0`` (elements). Returns ``(data, scales)``:
+    uint8 ``[..., n·b/8]`` packed codes and uint8 ``[..., n/16]`` E4M3 scale bytes. Every step is one
+    float32 numpy operation and the sums run sequentially over i = 0..15, as in the original engine.
+    """
+    _check_bits(bits)
+    x = np.asarray(x).astype(np.float32)
+    n = x.shape[-1]
+    if n % GROUP_ELEMS != 0:
+        raise ValueError(f"last axis must be a multiple of {GROUP_ELEMS} elements, got {n}")
+    xg = x.reshape(*x.shape[:-1], n // GROUP_ELEMS, GROUP_ELEMS)
+    group_shape = xg.shape[:-1]
+    levels = CODEBOOKS[bits]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        # 1. n2 = sum of squares (sequential), amax = fmax fold of |x_i| from 0 (NaN ignored).
+        n2 = np.zeros(group_shape, dtype=np.float32)
+        amax = np.zeros(group_shape, dtype=np.float32)
+        for i in range(GROUP_ELEMS):
+            n2 = n2 + xg[..., i] * xg[..., i]
+            amax = np.fmax(amax, np.abs(xg[..., i]))
+        # 2. inv = MAX / amax, or 1 for (near-)zero groups.
+        inv = np.where(amax > np.float32(1e-12), LEVEL_MAX[bits] / amax, np.float32(1.0))
+        # 3. code = number of bounds <= x·inv (NaN compares false: code 0; ±0 reaches the 0.0 bound).
+        y = xg * inv[..., None]
+        codes = (y[..., None] >= BOUNDS[bits]).sum(axis=-1).astype(np.uint8)
+        # 4. r2 = sum of squared levels (sequential); s = sqrt(n2) / sqrt(r2).
+        r2 = np.zeros(group_shape, dtype=np.float32)
+        for i in range(GROUP_ELEMS):
+            level = levels[codes[..., i]]
+            r2 = r2 + level * level
+        sqrt_r2 = np.sqrt(r2)
+        s = np.where(sqrt_r2 > np.float32(1e-10), np.sqrt(n2) / sqrt_r2, np.float32(0.0))
+        # 5. s = min(s, 448) written as a compare so that NaN stays NaN; then the E4M3 byte.
+        s = np.where(s > np.float32(E4M3_MAX), np.float32(E4M3_MAX), s)
+    return pack_codes(codes.reshape(x.shape), bits), e4m3_encode(s)
+
+
+def decode_v(data: ArrayLike, scales: ArrayLike, bits: int) -> NDArray[np.float32]:
+    """Float32 V values ``[..., n]`` of packed data ``[..., n·b/8]`` and scale bytes ``[..., n/16]``:
+    ``level[code] · float(E4M3(scale))``, FORMAT.md §3.4 (levels kept in float32)."""
+    codes = unpack_codes(data, bits)
+    scale = e4m3_decode(scales)
+    n = codes.shape[-1]
+    if scale.shape[-1] * GROUP_ELEMS != n:
+        raise ValueError(f"{n} codes need {n // GROUP_ELEMS} scale bytes, got {scale.shape[-1]}")
+    values = CODEBOOKS[bits][codes].reshape(*codes.shape[:-1], n // GROUP_ELEMS, GROUP_ELEMS)
+    return (values * scale[..., None]).reshape(codes.shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cache write (FORMAT.md §4) and paged decode attention (FORMAT.md §5)
+# ---------------------------------------------------------------------------------------------------
+def _check_layout(block_size: int, num_kv_heads: int, head_dim: int, bits: int, k_block_stride_bytes: int,
+                  v_block_stride_bytes: int, v_data_section_bytes_: int) -> None:
+    """Reject page layouts smaller than the packed ones of FORMAT.md §2/§3 (pages would overlap)."""
+    _check_head_dim(head_dim)
+    _check_bits(bits)
+    k_min = k_page_bytes(block_size, num_kv_heads, head_dim)
+    data_min = v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
+    scale_bytes = v_scale_section_bytes(block_size, num_kv_heads, head_dim)
+    if k_block_stride_bytes < k_min:
+        raise ValueError(f"k_block_stride_bytes {k_block_stride_bytes} < B·n = {k_min}")
+    if v_data_section_bytes_ < data_min:
+        raise ValueError(f"v_data_section_bytes {v_data_section_bytes_} < B·n·b/8 = {data_min}")
+    if v_block_stride_bytes < v_data_section_bytes_ + scale_bytes:
+        raise ValueError(f"v_block_stride_bytes {v_block_stride_bytes} < "
+                         f"v_data_section_bytes + B·n/16 = {v_data_section_bytes_ + scale_bytes}")
+
+
+def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8],
+                slot_mapping: ArrayLike, num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
+                key_stride: int, value_stride: int, k_scale: float, k_block_stride_bytes: int,
+                v_block_stride_bytes: int, v_data_section_bytes: int, bits: int) -> None:
+    """``reshape_and_cache``: write ``num_tokens`` token rows into the K and V pools, FORMAT.md §4.
+
+    ``key``/``value``: float32 or bfloat16 arrays read as flat element arrays; token ``t``'s row is
+    ``flat[t·key_stride : t·key_stride + n]`` (strides in elements). ``k_cache``/``v_cache``: flat uint8
+    pools, edited in place. ``slot_mapping``: int64, ``slot = page·B + offset``; a negative slot writes
+    nothing. Byte addresses (all in bytes):
+      K element e:  ``page·k_block_stride_bytes + offset·n + e``                     (§2)
+      V group g:    ``page·v_block_stride_bytes + offset·(n·b/8) + g·2b``            (§3)
+      V scale g:    ``page·v_block_stride_bytes + v_data_section_bytes + offset·(n/16) + g``  (§3)
+    No other byte is touched.
+    """
+    _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
+                  v_data_section_bytes)
+    n = num_kv_heads * head_dim
+    row_data_bytes = n * bits // 8
+    row_scale_bytes = n // GROUP_ELEMS
+    key_flat = np.asarray(key).reshape(-1)
+    value_flat = np.asarray(value).reshape(-1)
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    for t in range(num_tokens):
+        slot = int(slots[t])
+        if slot < 0:  # padding: write nothing
+            continue
+        page, offset = divmod(slot, block_size)
+
+        k_start = page * k_block_stride_bytes + offset * n
+        k_cache[k_start:k_start + n] = encode_k(key_flat[t * key_stride:t * key_stride + n], k_scale)
+
+        data, scales = encode_v(value_flat[t * value_stride:t * value_stride + n], bits)
+        page_start = page * v_block_stride_bytes
+        data_start = page_start + offset * row_data_bytes
+        scale_start = page_start + v_data_section_bytes + offset * row_scale_bytes
+        v_cache[data_start:data_start + row_data_bytes] = data
+        v_cache[scale_start:scale_start + row_scale_bytes] = scales
+
+
+def _gather_rows(pool: NDArray[np.uint8], starts: NDArray[np.int64], row_bytes: int) -> NDArray[np.uint8]:
+    """Rows ``pool[start : start + row_bytes]`` for every start, as a ``[len(starts), row_bytes]`` array."""
+    return pool[starts[:, None] + np.arange(row_bytes, dtype=np.int64)]
+
+
+def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], block_tables: ArrayLike,
+                 seq_lens: ArrayLike, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float,
+                 q_stride: int, v_block_stride_bytes: int, v_data_section_bytes: int, sliding_window: int,
+                 bits: int, k_block_stride_bytes: int | None = None,
+                 sparse_v_threshold: float = 0.0) -> NDArray[np.float64]:
+    """Paged decode attention over the cache, FORMAT.md §5, in float64. Returns ``[num_seqs, num_q_heads, D]``.
+
+    ``q``: float32/bfloat16, sequence ``s`` head ``h`` at flat element ``s·q_stride + h·D``.
+    ``block_tables``: ``[num_seqs][max_blocks_per_seq]`` page ids; position ``p`` lives in page
+    ``block_tables[s, p // B]`` at offset ``p % B``. ``k_block_stride_bytes`` defaults to ``B·n``.
+    K and V are dequantised exactly as `decode_k`/`decode_v` (float32), then cast to float64.
+    Query head ``h`` uses KV head ``h // G``; positions ``[start, L)`` with ``start = L − W`` when
+    ``0 < W < L``, else 0; ``score_p = (q · k_p) · inv_sqrt_d``; ``L == 0`` gives zeros.
+
+    Sparse V (``sparse_v_threshold`` τ > 0): positions are visited in order, ``m`` is the maximum score
+    seen so far including ``p``; the V row of ``p`` is skipped when ``exp(score_p − m) ≤ τ`` but ``p``
+    stays in the denominator ``Σ exp(score_p − M)`` (``M`` = final maximum). Since ``m ≤ M``, a skipped
+    row has ``exp(score_p − M) ≤ τ``, so ``‖out_τ − out_0‖ ≤ Σ_{p: exp(score_p − M) ≤ τ} softmax_p·‖v_p‖``.
+    """
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    n = num_kv_heads * head_dim
+    if k_block_stride_bytes is None:
+        k_block_stride_bytes = block_size * n
+    _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
+                  v_data_section_bytes)
+    group_size = num_q_heads // num_kv_heads
+    row_data_bytes = n * bits // 8
+    row_scale_bytes = n // GROUP_ELEMS
+    q_flat = np.asarray(q).reshape(-1)
+    tables = np.asarray(block_tables, dtype=np.int64).reshape(num_seqs, max_blocks_per_seq)
+    out = np.zeros((num_seqs, num_q_heads, head_dim), dtype=np.float64)
+    for s in range(num_seqs):
+        seq_len = int(seq_lens[s])
+        start = seq_len - sliding_window if 0 < sliding_window < seq_len else 0
+        if seq_len == 0:
+            continue
+        positions = np.arange(start, seq_len, dtype=np.int64)
+        pages = tables[s, positions // block_size]
+        offsets = positions % block_size
+
+        k_bytes = _gather_rows(k_cache, pages * k_block_stride_bytes + offsets * n, n)
+        v_data = _gather_rows(v_cache, pages * v_block_stride_bytes + offsets * row_data_bytes, row_data_bytes)
+        v_scales = _gather_rows(v_cache, pages * v_block_stride_bytes + v_data_section_bytes
+                                + offsets * row_scale_bytes, row_scale_bytes)
+        k = decode_k(k_bytes, k_scale).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
+        v = decode_v(v_data, v_scales, bits).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
+
+        for h in range(num_q_heads):
+            kv_head = h // group_size
+            q_start = s * q_stride + h * head_dim
+            q_head = q_flat[q_start:q_start + head_dim].astype(np.float64)
+            scores = (k[:, kv_head, :] @ q_head) * float(inv_sqrt_d)
+            weights = np.exp(scores - scores.max())
+            keep = np.ones(len(scores), dtype=bool)
+            if sparse_v_threshold > 0:
+                running_max = np.maximum.accumulate(scores)
+                keep = np.exp(scores - running_max) > sparse_v_threshold
+            out[s, h] = (weights[keep] @ v[keep, kv_head, :]) / weights.sum()
+    return out

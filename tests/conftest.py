@@ -1,0 +1,36 @@
+"""Test configuration: tests marked ``gpu`` are skipped cleanly where no CUDA GPU is usable."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when a CUDA device is usable, else why not."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        return f"cuda.bindings not importable: {exc}"
+    try:
+        (err,) = driver.cuInit(0)
+    except Exception as exc:  # the driver library itself is missing
+        return f"no CUDA driver: {exc}"
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return f"cuInit failed: {err.name}"
+    err, count = driver.cuDeviceGetCount()
+    if err != driver.CUresult.CUDA_SUCCESS or count == 0:
+        return "no CUDA device"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

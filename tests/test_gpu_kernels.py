@@ -1,0 +1,285 @@
+"""GPU tests: the kernels against the NumPy reference on fresh random inputs, and the golden vectors.
+
+Pools and outputs are poisoned before each launch and compared whole, so a stray or missing write
+shows. Cache bytes must match exactly (the kernels encode each group sequentially, as the
+reference does); decode outputs are compared per (sequence, head) by relative error against the
+float64 reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8kturbov
+from fp8kturbov import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+GOLDEN = sorted((Path(__file__).parent / "data" / "golden").glob("*.npz"))
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture(scope="module")
+def device():
+    from gpu_util import Device
+
+    dev = Device()
+    yield dev
+    dev.free_all()
+
+
+@pytest.fixture
+def rng(request):
+    seed = np.random.SeedSequence().entropy % 2**32
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed = {seed}")
+    return np.random.default_rng(seed)
+
+
+def random_rows(rng, num_rows: int, stride: int, row_elems: int, *, hostile: bool) -> np.ndarray:
+    """bf16 rows [num_rows, stride]: N(0, 1) data, 1/8 of the rows x10, 5 % of the groups zero;
+    with ``hostile`` also a few NaN and ±Inf elements. Padding beyond the row is NaN so that
+    reading it would show."""
+    rows = np.full((num_rows, stride), np.nan, dtype=np.float32)
+    data = rng.standard_normal((num_rows, row_elems)).astype(np.float32)
+    data[rng.random(num_rows) < 1 / 8] *= 10
+    groups = data.reshape(num_rows, -1, 16)
+    groups[rng.random(groups.shape[:2]) < 0.05] = 0
+    if hostile:
+        flat = data.reshape(-1)
+        picks = rng.choice(flat.size, size=3, replace=False)
+        flat[picks] = [np.nan, np.inf, -np.inf]
+    rows[:, :row_elems] = data
+    return rows.astype(BF16)
+
+
+def random_slots(rng, num_tokens: int, num_slots: int) -> np.ndarray:
+    slots = rng.choice(num_slots, size=num_tokens, replace=False).astype(np.int64)
+    slots[rng.random(num_tokens) < 0.1] = -1
+    return slots
+
+
+def random_pool(rng, nbytes: int) -> np.ndarray:
+    return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def assert_pools_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    diff = np.flatnonzero(got != want)
+    assert diff.size == 0, f"{what}: {diff.size} bytes differ, first at {diff[:8].tolist()}"
+
+
+# ---- Cache write ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("entry", ["fixed", "generic"])
+def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entry):
+    num_kv_heads, block_size, num_blocks, num_tokens = 2, 16, 12, 150
+    n = num_kv_heads * head_dim
+    layout = fp8kturbov.CacheLayout(num_blocks, block_size, num_kv_heads, head_dim, bits)
+    # Padded strides: pages and rows longer than packed, so stride handling is exercised.
+    k_stride = layout.k_block_stride_bytes + 48
+    v_data = layout.v_data_section_bytes + 8
+    v_stride = v_data + ref.v_scale_section_bytes(block_size, num_kv_heads, head_dim) + 24
+    key_stride, value_stride = n + 32, n + 16
+    key = random_rows(rng, num_tokens, key_stride, n, hostile=True)
+    value = random_rows(rng, num_tokens, value_stride, n, hostile=True)
+    slots = random_slots(rng, num_tokens, num_blocks * block_size)
+    k_pool = random_pool(rng, num_blocks * k_stride)
+    v_pool = random_pool(rng, num_blocks * v_stride)
+
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    ref.write_cache(key, value, want_k, want_v, slots, num_tokens, num_kv_heads, head_dim,
+                    block_size, key_stride, value_stride, 0.05, k_stride, v_stride, v_data, bits)
+
+    k_dev, v_dev = device.upload(k_pool), device.upload(v_pool)
+    ptrs = [device.upload(key.view(np.uint16)), device.upload(value.view(np.uint16)), k_dev, v_dev,
+            device.upload(slots)]
+    if entry == "fixed":
+        launcher = getattr(fp8kturbov, f"reshape_and_cache_fp8k_turbo{bits}v")
+        launcher(*ptrs, num_tokens, num_kv_heads, head_dim, block_size, key_stride, value_stride,
+                 0.05, k_stride, v_stride, v_data, stream=device.stream)
+    else:
+        fp8kturbov.reshape_and_cache(
+            *ptrs, num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size, key_stride=key_stride, value_stride=value_stride, k_scale=0.05,
+            v_bits=bits, k_block_stride_bytes=k_stride, v_block_stride_bytes=v_stride,
+            v_data_section_bytes=v_data, stream=device.stream)
+    assert_pools_equal(device.download(k_dev, k_pool), want_k, "K pool")
+    assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
+    assert not np.array_equal(want_k, k_pool), "the write changed nothing: the test proves nothing"
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.stem)
+def test_write_reproduces_golden_pools(device, path):
+    g = np.load(path)
+    bits, n = int(g["bits"]), int(g["num_kv_heads"]) * int(g["head_dim"])
+    k_dev, v_dev = device.upload(g["k_pool_before"]), device.upload(g["v_pool_before"])
+    launcher = getattr(fp8kturbov, f"reshape_and_cache_fp8k_turbo{bits}v")
+    launcher(device.upload(g["key_bf16_bits"]), device.upload(g["value_bf16_bits"]), k_dev, v_dev,
+             device.upload(g["slot_mapping"]), len(g["slot_mapping"]), int(g["num_kv_heads"]),
+             int(g["head_dim"]), int(g["block_size"]), n, n, float(g["k_scale"]),
+             int(g["k_block_stride_bytes"]), int(g["v_block_stride_bytes"]),
+             int(g["v_data_section_bytes"]), stream=device.stream)
+    assert_pools_equal(device.download(k_dev, g["k_pool_after"]), g["k_pool_after"], "K pool")
+    assert_pools_equal(device.download(v_dev, g["v_pool_after"]), g["v_pool_after"], "V pool")
+
+
+# ---- Paged decode --------------------------------------------------------------------------------
+
+
+class DecodeCase:
+    """A random paged cache (written by the reference) with ragged sequences and a shuffled page
+    table, plus queries and a poisoned output."""
+
+    def __init__(self, rng, bits, head_dim, group_size, window, *, q_gain=1.0, seq_lens=None):
+        self.bits, self.head_dim, self.window = bits, head_dim, window
+        self.num_kv_heads, self.block_size = 2, 16
+        self.num_q_heads = self.num_kv_heads * group_size
+        self.seq_lens = np.array(seq_lens or [0, 1, 17, 100, 250, 64], dtype=np.int32)
+        self.num_seqs = len(self.seq_lens)
+        blocks_needed = -(-self.seq_lens // self.block_size)
+        self.max_blocks_per_seq = int(blocks_needed.max()) + 1
+        self.num_blocks = int(blocks_needed.sum()) + 5
+        n = self.num_kv_heads * head_dim
+        # Padded K pages: exercises the K page stride the original ignored.
+        self.k_stride = ref.k_page_bytes(self.block_size, self.num_kv_heads, head_dim) + 32
+        self.v_data = ref.v_data_section_bytes(self.block_size, self.num_kv_heads, head_dim, bits)
+        self.v_stride = ref.v_page_bytes(self.block_size, self.num_kv_heads, head_dim, bits) + 16
+        self.k_scale, self.inv_sqrt_d = 0.05, float(1 / np.sqrt(head_dim))
+
+        pages = rng.permutation(self.num_blocks).astype(np.int32)
+        self.block_tables = np.full((self.num_seqs, self.max_blocks_per_seq), -7, dtype=np.int32)
+        used = 0
+        for s, blocks in enumerate(blocks_needed):
+            self.block_tables[s, :blocks] = pages[used:used + blocks]
+            used += blocks
+
+        num_slots = self.num_blocks * self.block_size
+        self.k_pool = random_pool(rng, self.num_blocks * self.k_stride)
+        self.v_pool = random_pool(rng, self.num_blocks * self.v_stride)
+        keys = random_rows(rng, num_slots, n, n, hostile=False)
+        values = random_rows(rng, num_slots, n, n, hostile=False)
+        ref.write_cache(keys, values, self.k_pool, self.v_pool, np.arange(num_slots), num_slots,
+                        self.num_kv_heads, head_dim, self.block_size, n, n, self.k_scale,
+                        self.k_stride, self.v_stride, self.v_data, bits)
+        self.q_stride = self.num_q_heads * head_dim + 8
+        q = rng.standard_normal((self.num_seqs, self.q_stride)).astype(np.float32) * q_gain
+        self.q = q.astype(BF16)
+
+    def reference(self, sparse_v_threshold=0.0):
+        return ref.paged_decode(
+            self.q, self.k_pool, self.v_pool, self.block_tables, self.seq_lens,
+            self.max_blocks_per_seq, self.num_seqs, self.num_q_heads, self.num_kv_heads,
+            self.head_dim, self.block_size, self.inv_sqrt_d, self.k_scale, self.q_stride,
+            self.v_stride, self.v_data, self.window, self.bits,
+            k_block_stride_bytes=self.k_stride, sparse_v_threshold=sparse_v_threshold)
+
+    def run(self, device, sparse_v_threshold):
+        out_shape = (self.num_seqs, self.num_q_heads, self.head_dim)
+        poison = np.full(out_shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN
+        out = device.upload(poison)
+        fp8kturbov.paged_decode_attn(
+            device.upload(self.q.view(np.uint16)), device.upload(self.k_pool),
+            device.upload(self.v_pool), out, device.upload(self.block_tables),
+            device.upload(self.seq_lens), max_blocks_per_seq=self.max_blocks_per_seq,
+            num_seqs=self.num_seqs, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, block_size=self.block_size, inv_sqrt_d=self.inv_sqrt_d,
+            k_scale=self.k_scale, q_stride=self.q_stride, v_bits=self.bits,
+            k_block_stride_bytes=self.k_stride, v_block_stride_bytes=self.v_stride,
+            v_data_section_bytes=self.v_data, sliding_window=self.window,
+            sparse_v_threshold=sparse_v_threshold, stream=device.stream)
+        return device.download(out, poison).view(BF16).astype(np.float64)
+
+
+def relative_error_per_head(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    num = np.linalg.norm(got - want, axis=-1)
+    den = np.linalg.norm(want, axis=-1)
+    return np.where(den > 0, num / np.where(den > 0, den, 1), num)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("group_size", [1, 4, 8, 12])
+@pytest.mark.parametrize("window", [0, 40])
+def test_decode_matches_float64_reference(device, rng, bits, head_dim, group_size, window):
+    case = DecodeCase(rng, bits, head_dim, group_size, window)
+    got = case.run(device, sparse_v_threshold=0.0)
+    want = case.reference()
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
+    err = relative_error_per_head(got, want)
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_sparse_v_error_is_bounded(device, rng, bits, head_dim):
+    """Skipped rows all satisfy exp(s - M) <= tau (M the final max), so the deviation from the
+    exact result is at most the softmax mass of such rows times their V norm (plus rounding)."""
+    tau = 1e-3
+    case = DecodeCase(rng, bits, head_dim, 4, 0, q_gain=4.0, seq_lens=[300, 129, 1, 0, 513])
+    got = case.run(device, sparse_v_threshold=tau)
+    exact = case.reference()
+    bound = skippable_mass_times_norm(case, tau)
+    deviation = np.linalg.norm(got - exact, axis=-1)
+    rounding = 1e-2 * np.linalg.norm(exact, axis=-1)
+    assert np.all(deviation <= bound + rounding + 1e-6), (deviation - bound - rounding).max()
+
+
+def skippable_mass_times_norm(case: DecodeCase, tau: float) -> np.ndarray:
+    """Per (sequence, query head): sum over positions with exp(s_p - M) <= tau of
+    softmax_p * ||v_p||, from the reference's own dequantisation."""
+    d, group = case.head_dim, case.num_q_heads // case.num_kv_heads
+    n = case.num_kv_heads * d
+    bound = np.zeros((case.num_seqs, case.num_q_heads))
+    q = case.q.astype(np.float64)
+    for s, length in enumerate(case.seq_lens):
+        start = max(0, length - case.window) if case.window else 0
+        positions = np.arange(start, length)
+        pages = case.block_tables[s, positions // case.block_size].astype(np.int64)
+        offsets = positions % case.block_size
+        k_rows = np.stack([case.k_pool[p * case.k_stride + o * n: p * case.k_stride + (o + 1) * n]
+                           for p, o in zip(pages, offsets)]) if length else np.zeros((0, n), np.uint8)
+        v_rows = []
+        for p, o in zip(pages, offsets):
+            base = p * case.v_stride
+            data = case.v_pool[base + o * n * case.bits // 8: base + (o + 1) * n * case.bits // 8]
+            scales = case.v_pool[base + case.v_data + o * n // 16: base + case.v_data + (o + 1) * n // 16]
+            v_rows.append(ref.decode_v(data, scales, case.bits))
+        for h in range(case.num_q_heads):
+            if length == 0:
+                continue
+            kv = h // group
+            k = ref.decode_k(k_rows[:, kv * d:(kv + 1) * d], case.k_scale).astype(np.float64)
+            v = np.stack(v_rows)[:, kv * d:(kv + 1) * d].astype(np.float64)
+            scores = k @ q[s, h * d:(h + 1) * d] * case.inv_sqrt_d
+            weights = np.exp(scores - scores.max())
+            skippable = weights <= tau
+            bound[s, h] = (weights[skippable] / weights.sum() * np.linalg.norm(v[skippable], axis=1)).sum()
+    return bound
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.stem)
+def test_decode_matches_golden_output(device, path):
+    g = np.load(path)
+    bits, d = int(g["bits"]), int(g["head_dim"])
+    num_seqs, num_q_heads = g["q_bf16_bits"].shape[:2]
+    out_poison = np.full(g["out_bf16_bits"].shape, 0x7FC1, dtype=np.uint16)
+    out = device.upload(out_poison)
+    launcher = getattr(fp8kturbov, f"paged_decode_attn_fp8k_turbo{bits}v")
+    launcher(device.upload(g["q_bf16_bits"]), device.upload(g["decode_k_pool"]),
+             device.upload(g["decode_v_pool"]), out, device.upload(g["block_tables"]),
+             device.upload(g["seq_lens"]), g["block_tables"].shape[1], num_seqs, num_q_heads,
+             int(g["num_kv_heads"]), d, int(g["block_size"]), float(g["inv_sqrt_d"]),
+             float(g["k_scale"]), num_q_heads * d, int(g["v_block_stride_bytes"]),
+             int(g["v_data_section_bytes"]), int(g["sliding_window"]), stream=device.stream)
+    got = device.download(out, out_poison).view(BF16).astype(np.float64)
+    want = g["out_bf16_bits"].view(BF16).astype(np.float64)
+    err = relative_error_per_head(got, want)
+    assert err.max() <= 1e-2, f"max relative error per head vs the original: {err.max():.3g}"
