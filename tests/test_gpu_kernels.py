@@ -180,20 +180,27 @@ class DecodeCase:
             self.v_stride, self.v_data, self.window, self.bits,
             k_block_stride_bytes=self.k_stride, sparse_v_threshold=sparse_v_threshold)
 
-    def run(self, device, sparse_v_threshold):
+    def run(self, device, sparse_v_threshold, *, split=True):
+        """The kernel's output; with ``split`` the context is split over CTAs (workspace given,
+        poisoned), else each (sequence, KV head) runs in one CTA."""
+        scalars = dict(
+            max_blocks_per_seq=self.max_blocks_per_seq, num_seqs=self.num_seqs,
+            num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, block_size=self.block_size, inv_sqrt_d=self.inv_sqrt_d,
+            k_scale=self.k_scale, q_stride=self.q_stride, v_bits=self.bits,
+            k_block_stride_bytes=self.k_stride, v_block_stride_bytes=self.v_stride,
+            v_data_section_bytes=self.v_data, sliding_window=self.window,
+            sparse_v_threshold=sparse_v_threshold)
+        workspace_bytes = fp8kturbov.paged_decode_workspace_bytes(**scalars) if split else 0
+        workspace = device.upload(np.full(workspace_bytes // 4, np.nan, dtype=np.float32))
         out_shape = (self.num_seqs, self.num_q_heads, self.head_dim)
         poison = np.full(out_shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN
         out = device.upload(poison)
         fp8kturbov.paged_decode_attn(
             device.upload(self.q.view(np.uint16)), device.upload(self.k_pool),
             device.upload(self.v_pool), out, device.upload(self.block_tables),
-            device.upload(self.seq_lens), max_blocks_per_seq=self.max_blocks_per_seq,
-            num_seqs=self.num_seqs, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, block_size=self.block_size, inv_sqrt_d=self.inv_sqrt_d,
-            k_scale=self.k_scale, q_stride=self.q_stride, v_bits=self.bits,
-            k_block_stride_bytes=self.k_stride, v_block_stride_bytes=self.v_stride,
-            v_data_section_bytes=self.v_data, sliding_window=self.window,
-            sparse_v_threshold=sparse_v_threshold, stream=device.stream)
+            device.upload(self.seq_lens), workspace=workspace, workspace_bytes=workspace_bytes,
+            stream=device.stream, **scalars)
         return device.download(out, poison).view(BF16).astype(np.float64)
 
 
@@ -207,14 +214,29 @@ def relative_error_per_head(got: np.ndarray, want: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 @pytest.mark.parametrize("group_size", [1, 4, 8, 12])
 @pytest.mark.parametrize("window", [0, 40])
-def test_decode_matches_float64_reference(device, rng, bits, head_dim, group_size, window):
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_decode_matches_float64_reference(device, rng, bits, head_dim, group_size, window, split):
     case = DecodeCase(rng, bits, head_dim, group_size, window)
-    got = case.run(device, sparse_v_threshold=0.0)
+    got = case.run(device, sparse_v_threshold=0.0, split=split)
     want = case.reference()
     assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
     assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
     err = relative_error_per_head(got, want)
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("window", [0, 1000])
+def test_long_contexts_split_over_ctas(device, rng, bits, head_dim, window):
+    """Long and ragged sequences, few of them: the plan splits each context over many CTAs."""
+    case = DecodeCase(rng, bits, head_dim, 4, window, seq_lens=[3001, 0, 1, 777, 1500])
+    got = case.run(device, sparse_v_threshold=0.0)
+    err = relative_error_per_head(got, case.reference())
+    assert not np.isnan(got).any() and np.all(got[1] == 0)
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+    again = case.run(device, sparse_v_threshold=0.0)
+    assert np.array_equal(got, again), "a fixed plan must give identical results"
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -509,7 +509,8 @@ class Layout:
         return k.astype(np.float64).reshape(shape), v.astype(np.float64).reshape(shape)
 
 
-def strided_rows(gen: np.random.Generator, num_tokens: int, n: int, stride: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+def strided_rows(gen: np.random.Generator, num_tokens: int, n: int, stride: int,
+                 dtype) -> tuple[np.ndarray, np.ndarray]:
     """(2-D buffer [num_tokens, stride] whose padding is NaN, the rows it holds)."""
     rows = (gen.standard_normal((num_tokens, n)) * gen.uniform(0.1, 5, (num_tokens, 1))).astype(dtype)
     buffer = np.full((num_tokens, stride), np.nan, dtype=dtype)
@@ -625,8 +626,7 @@ class Cache:
     k_scale: float
 
 
-def build_cache(gen: np.random.Generator, layout: Layout, seq_lens: list[int], max_blocks: int,
-                value_scale: float = 1.0) -> Cache:
+def build_cache(gen: np.random.Generator, layout: Layout, seq_lens: list[int], max_blocks: int) -> Cache:
     """Pools written by write_cache: each sequence gets random distinct pages; page ids not used stay poison."""
     num_seqs = len(seq_lens)
     num_pages = num_seqs * max_blocks + 3
@@ -638,7 +638,7 @@ def build_cache(gen: np.random.Generator, layout: Layout, seq_lens: list[int], m
         slots = tables[s, positions // layout.block_size].astype(np.int64) * layout.block_size \
             + positions % layout.block_size
         keys = gen.standard_normal((seq_len, layout.n)).astype(BF16)
-        values = (gen.standard_normal((seq_len, layout.n)) * value_scale).astype(BF16)
+        values = gen.standard_normal((seq_len, layout.n)).astype(BF16)
         layout.write(keys, values, k_pool, v_pool, slots, layout.n, layout.n, k_scale)
     return Cache(layout, k_pool, v_pool, tables, np.array(seq_lens, dtype=np.int32), k_scale)
 

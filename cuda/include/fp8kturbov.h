@@ -7,8 +7,10 @@
  * header: streams are passed as an opaque pointer compatible with CUstream / cudaStream_t.
  *
  * Conventions for every entry point:
- *  - Pointers named *_cache, q, key, value, output, slot_mapping, block_tables, seq_lens are
- *    DEVICE pointers. Pools (k_cache, v_cache) must be 16-byte aligned.
+ *  - Pointers named *_cache, q, key, value, output, slot_mapping, block_tables, seq_lens and
+ *    workspace are DEVICE pointers. k_cache must be 16-byte aligned and k_block_stride_bytes a
+ *    multiple of 16; decode also needs v_cache and v_block_stride_bytes aligned to the width of
+ *    its V loads (at most 8 bytes; the packed layouts always are).
  *  - Sizes named *_bytes are in bytes; *_stride without a unit suffix is in ELEMENTS.
  *  - Nothing allocates, synchronises or prints. Every launch is stream-ordered on `stream`
  *    (NULL = the legacy default stream) and can be captured in a CUDA graph.
@@ -70,7 +72,8 @@ typedef struct CUstream_st* fp8kturbov_stream_t;
 
 /* ---- Layout sizes (host only, no CUDA call) -------------------------------------------------- */
 /* Each returns the size in BYTES, or 0 when an argument is invalid (head_dim not a multiple of
- * 16, bits not in {2, 3, 4}, a zero size, or overflow). */
+ * 16, bits not in {2, 3, 4}, a zero size, a row num_kv_heads*head_dim over 2^32 - 1, which
+ * no entry point accepts). */
 FP8KTURBOV_API uint64_t fp8kturbov_k_page_bytes(uint32_t block_size, uint32_t num_kv_heads,
                                                 uint32_t head_dim);
 FP8KTURBOV_API uint64_t fp8kturbov_v_data_section_bytes(uint32_t block_size,
@@ -143,6 +146,12 @@ FP8KTURBOV_DECLARE_WRITE(4)
  *  sparse_v_threshold  (params only) the V row of a position whose unnormalised weight
  *                exp(score - running max) is <= the threshold may be skipped (it still counts in
  *                the denominator). 0 = exact; the fixed-argument launchers use 1e-3.
+ *  workspace     (params only) caller-owned device scratch of workspace_bytes bytes, 16-byte
+ *                aligned. With enough of it (fp8kturbov_paged_decode_workspace_bytes) the context
+ *                is split across CTAs so that few sequences still fill the GPU, and a second
+ *                kernel merges the splits; with less (or none: the fixed-argument launchers) each
+ *                (sequence, KV head) runs in one CTA. The result is deterministic for a given
+ *                shape, device and workspace size. The workspace is only used by work on `stream`.
  * Query head h reads KV head h / (num_q_heads / num_kv_heads).
  */
 typedef struct fp8kturbov_decode_params {
@@ -168,6 +177,8 @@ typedef struct fp8kturbov_decode_params {
   uint64_t v_data_section_bytes;
   uint32_t sliding_window;
   float sparse_v_threshold; /* >= 0; default 1e-3 */
+  void* workspace;          /* may be NULL */
+  uint64_t workspace_bytes;
 } fp8kturbov_decode_params_t;
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, sparse_v_threshold = 1e-3,
@@ -175,6 +186,11 @@ typedef struct fp8kturbov_decode_params {
 FP8KTURBOV_API void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params);
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_decode_attn(
     const fp8kturbov_decode_params_t* params, fp8kturbov_stream_t stream);
+/* Workspace BYTES with which `params` (pointers and workspace fields ignored) runs fully split on
+ * the current device; 0 when splitting would not help. Validates the scalars like the launch; a
+ * host query (device attributes), no synchronisation. */
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_decode_workspace_bytes(
+    const fp8kturbov_decode_params_t* params, uint64_t* workspace_bytes);
 
 /* The original engine's launchers, argument for argument: packed K pages, sparse-V threshold
  * 1e-3. */

@@ -5,6 +5,8 @@
 #include <cstdarg>
 #include <cstdio>
 
+#include <algorithm>
+
 #include "fp8kturbov.h"
 #include "format.cuh"
 #include "entry_points.h"
@@ -57,7 +59,8 @@ fp8kturbov_status_t check_pool_layout(const char* entry, uint32_t block_size, ui
                 "v_data_section_bytes = %" PRIu64 " is smaller than the packed codes of a page "
                 "(%" PRIu64 " bytes)",
                 v_data_section_bytes, v_data);
-  if (v_block_stride_bytes < v_data_section_bytes + v_scales)
+  if (v_data_section_bytes > v_block_stride_bytes ||
+      v_block_stride_bytes - v_data_section_bytes < v_scales)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "v_block_stride_bytes = %" PRIu64 " is smaller than v_data_section_bytes + the "
                 "scale section (%" PRIu64 " + %" PRIu64 " bytes)",
@@ -78,10 +81,10 @@ fp8kturbov_status_t check_k_scale(const char* entry, float k_scale) {
     if (status_ != FP8KTURBOV_STATUS_SUCCESS) return status_; \
   } while (0)
 
-#define FP8KTURBOV_REQUIRE_POINTER(ptr)                                                     \
+#define FP8KTURBOV_REQUIRE_POINTER(field)                                                   \
   do {                                                                                      \
-    if ((ptr) == nullptr)                                                                   \
-      return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "%s is NULL", #ptr);                \
+    if (p.field == nullptr)                                                                 \
+      return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "%s is NULL", #field);              \
   } while (0)
 
 fp8kturbov_status_t check_struct_size(const char* entry, const void* params, size_t given,
@@ -129,11 +132,11 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "num_tokens = %u is too large for one launch at this row size", p.num_tokens);
   if (p.num_tokens == 0) return FP8KTURBOV_STATUS_SUCCESS;
-  FP8KTURBOV_REQUIRE_POINTER(p.key);
-  FP8KTURBOV_REQUIRE_POINTER(p.value);
-  FP8KTURBOV_REQUIRE_POINTER(p.k_cache);
-  FP8KTURBOV_REQUIRE_POINTER(p.v_cache);
-  FP8KTURBOV_REQUIRE_POINTER(p.slot_mapping);
+  FP8KTURBOV_REQUIRE_POINTER(key);
+  FP8KTURBOV_REQUIRE_POINTER(value);
+  FP8KTURBOV_REQUIRE_POINTER(k_cache);
+  FP8KTURBOV_REQUIRE_POINTER(v_cache);
+  FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
 
   const WriteArgs args{static_cast<const uint16_t*>(p.key),
                        static_cast<const uint16_t*>(p.value),
@@ -162,22 +165,21 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
 }
 
 namespace {
+
 cudaError_t dispatch_decode(uint32_t bits, uint32_t head_dim, const DecodeArgs& args,
-                            cudaStream_t stream, bool* built) {
+                            const DecodePlan& plan, cudaStream_t stream, bool* built) {
   *built = true;
 #define FP8KTURBOV_DECODE_CASE(BITS, HEAD_DIM) \
-  if (bits == BITS && head_dim == HEAD_DIM) return launch_paged_decode<BITS, HEAD_DIM>(args, stream);
+  if (bits == BITS && head_dim == HEAD_DIM) return launch_paged_decode<BITS, HEAD_DIM>(args, plan, stream);
 #include "dispatch_decode.inc"
 #undef FP8KTURBOV_DECODE_CASE
   *built = false;
   return cudaSuccess;
 }
 
-}  // namespace
-
-fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& p,
-                                cudaStream_t stream) {
-  g_last_error[0] = '\0';
+// Every scalar rule of a decode; also resolves the K page stride (0 = packed).
+fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_params_t& p,
+                                    uint64_t* k_block_stride_bytes) {
   if (!is_supported_v_bits(p.v_bits))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", p.v_bits);
   if (p.head_dim == 0 || p.head_dim % kGroupElems != 0)
@@ -218,18 +220,97 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "sparse_v_threshold = %g must be finite and >= 0", double(p.sparse_v_threshold));
-  const uint64_t k_block_stride_bytes =
+  *k_block_stride_bytes =
       p.k_block_stride_bytes != 0 ? p.k_block_stride_bytes : k_page_bytes(p.block_size, row_elems);
   FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
-                                     k_block_stride_bytes, p.v_block_stride_bytes,
+                                     *k_block_stride_bytes, p.v_block_stride_bytes,
                                      p.v_data_section_bytes));
+  const uint32_t v_align = decode_v_alignment(p.v_bits, p.head_dim);
+  if (p.v_block_stride_bytes % v_align != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry,
+                "v_block_stride_bytes = %" PRIu64 " is not a multiple of %u",
+                p.v_block_stride_bytes, v_align);
+  if (reinterpret_cast<uintptr_t>(p.v_cache) % v_align != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "v_cache = %p is not %u-byte aligned",
+                p.v_cache, v_align);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// The split plan: enough CTAs for about kDecodeCtasPerSm per multiprocessor, each split at least
+// kDecodeMinSplitTiles tiles long, and no split unless the workspace holds the partials.
+DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
+                       uint64_t workspace_bytes) {
+  DecodePlan plan{};
+  const uint32_t group_size = p.num_q_heads / p.num_kv_heads;
+  plan.chunks_per_group = (group_size + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
+  const uint64_t table_positions = uint64_t(p.max_blocks_per_seq) * p.block_size;
+  const uint64_t span = p.sliding_window > 0 && p.sliding_window < table_positions
+                            ? p.sliding_window
+                            : table_positions;
+  const uint64_t tiles = (span + kDecodeTileTokens - 1) / kDecodeTileTokens;
+  const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
+  const uint64_t target_ctas = uint64_t(multiprocessors) * kDecodeCtasPerSm;
+  uint64_t splits = base_ctas < target_ctas ? (target_ctas + base_ctas - 1) / base_ctas : 1;
+  splits = std::min(splits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles));
+  const uint64_t tiles_per_split = (tiles + splits - 1) / splits;
+  plan.num_splits = uint32_t((tiles + tiles_per_split - 1) / tiles_per_split);
+  plan.split_tokens = int32_t(std::min<uint64_t>(tiles_per_split * kDecodeTileTokens, INT32_MAX));
+  plan.workspace = static_cast<float*>(p.workspace);
+  if (plan.num_splits > 1 &&
+      (decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim) > workspace_bytes ||
+       uint64_t(p.num_seqs) * plan.num_splits > INT32_MAX)) {
+    plan.num_splits = 1;
+    plan.split_tokens = INT32_MAX;
+  }
+  return plan;
+}
+
+// Division of positions (< 2^31) by a runtime divisor with a multiply and a shift: the round-up
+// reciprocal method (Granlund and Montgomery).
+struct FastDivider {
+  uint32_t multiplier;
+  uint32_t shift;
+};
+FastDivider fast_divider(uint32_t divisor) {
+  uint32_t shift = 0;
+  while ((uint64_t(1) << shift) < divisor) ++shift;
+  const uint64_t multiplier = ((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor)) / divisor + 1;
+  return {uint32_t(multiplier), shift};
+}
+
+// Multiprocessors of the current device: a cached attribute read, no synchronisation.
+cudaError_t current_multiprocessors(int* count) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
+
+}  // namespace
+
+fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& p,
+                                cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  uint64_t k_block_stride_bytes = 0;
+  FP8KTURBOV_CHECK(validate_decode(entry, p, &k_block_stride_bytes));
   if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
-  FP8KTURBOV_REQUIRE_POINTER(p.q);
-  FP8KTURBOV_REQUIRE_POINTER(p.k_cache);
-  FP8KTURBOV_REQUIRE_POINTER(p.v_cache);
-  FP8KTURBOV_REQUIRE_POINTER(p.output);
-  FP8KTURBOV_REQUIRE_POINTER(p.block_tables);
-  FP8KTURBOV_REQUIRE_POINTER(p.seq_lens);
+  FP8KTURBOV_REQUIRE_POINTER(q);
+  FP8KTURBOV_REQUIRE_POINTER(k_cache);
+  FP8KTURBOV_REQUIRE_POINTER(v_cache);
+  FP8KTURBOV_REQUIRE_POINTER(output);
+  FP8KTURBOV_REQUIRE_POINTER(block_tables);
+  FP8KTURBOV_REQUIRE_POINTER(seq_lens);
+  if (p.workspace_bytes > 0) {
+    FP8KTURBOV_REQUIRE_POINTER(workspace);
+    if (!is_aligned16(p.workspace))
+      return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "workspace = %p is not 16-byte aligned",
+                  p.workspace);
+  }
+  int multiprocessors = 0;
+  const cudaError_t query = current_multiprocessors(&multiprocessors);
+  if (query != cudaSuccess) return report_launch(query, entry);
+  const DecodePlan plan = plan_decode(p, multiprocessors, p.workspace_bytes);
+  const FastDivider divider = fast_divider(p.block_size);
 
   const DecodeArgs args{static_cast<const uint16_t*>(p.q),
                         static_cast<const uint8_t*>(p.k_cache),
@@ -242,6 +323,8 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                         p.num_q_heads,
                         p.num_kv_heads,
                         p.block_size,
+                        divider.multiplier,
+                        divider.shift,
                         p.inv_sqrt_d * p.k_scale,
                         p.q_stride,
                         k_block_stride_bytes,
@@ -250,13 +333,28 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                         p.sliding_window,
                         p.sparse_v_threshold};
   bool built = false;
-  const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, stream, &built);
+  const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)
     return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
                 "v_bits = %u with head_dim = %u was not built (CMake options FP8KTURBOV_V_BITS, "
                 "FP8KTURBOV_HEAD_DIMS)",
                 p.v_bits, p.head_dim);
   return report_launch(err, entry);
+}
+
+fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_decode_params_t& p,
+                                          uint64_t* workspace_bytes) {
+  g_last_error[0] = '\0';
+  if (workspace_bytes == nullptr)
+    return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "workspace_bytes is NULL");
+  uint64_t k_block_stride_bytes = 0;
+  FP8KTURBOV_CHECK(validate_decode(entry, p, &k_block_stride_bytes));
+  int multiprocessors = 0;
+  const cudaError_t query = current_multiprocessors(&multiprocessors);
+  if (query != cudaSuccess) return report_launch(query, entry);
+  const DecodePlan plan = plan_decode(p, multiprocessors, UINT64_MAX);
+  *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim);
+  return FP8KTURBOV_STATUS_SUCCESS;
 }
 
 }  // namespace fp8kturbov
@@ -283,8 +381,20 @@ const char* fp8kturbov_status_string(fp8kturbov_status_t status) {
 
 const char* fp8kturbov_last_error_message(void) { return g_last_error; }
 
+fp8kturbov_status_t fp8kturbov_paged_decode_workspace_bytes(const fp8kturbov_decode_params_t* params,
+                                                            uint64_t* workspace_bytes) {
+  const char* entry = "fp8kturbov_paged_decode_workspace_bytes";
+  g_last_error[0] = '\0';
+  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
+                                     sizeof(fp8kturbov_decode_params_t)));
+  return decode_workspace_impl(entry, *params, workspace_bytes);
+}
+
 uint64_t fp8kturbov_k_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim) {
-  if (block_size == 0 || num_kv_heads == 0 || head_dim == 0 || head_dim % kGroupElems != 0)
+  // A row of more than 2^32 - 1 elements is refused by every entry point; refusing it here also
+  // keeps every page size below 2^64.
+  if (block_size == 0 || num_kv_heads == 0 || head_dim == 0 || head_dim % kGroupElems != 0 ||
+      uint64_t(num_kv_heads) * head_dim > UINT32_MAX)
     return 0;
   return k_page_bytes(block_size, uint64_t(num_kv_heads) * head_dim);
 }

@@ -12,5 +12,8 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                                cudaStream_t stream);
 fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& params,
                                 cudaStream_t stream);
+fp8kturbov_status_t decode_workspace_impl(const char* entry,
+                                          const fp8kturbov_decode_params_t& params,
+                                          uint64_t* workspace_bytes);
 
 }  // namespace fp8kturbov

@@ -27,7 +27,7 @@ constexpr uint64_t k_page_bytes(uint64_t block_size, uint64_t row_elems) {
   return block_size * row_elems;
 }
 constexpr uint64_t v_data_section_bytes(uint64_t block_size, uint64_t row_elems, uint32_t bits) {
-  return block_size * row_elems * bits / 8;
+  return block_size * row_elems / 8 * bits;  // row_elems % 16 == 0: exact, and no overflow first
 }
 constexpr uint64_t v_scale_section_bytes(uint64_t block_size, uint64_t row_elems) {
   return block_size * row_elems / kGroupElems;

@@ -43,6 +43,8 @@ struct DecodeArgs {
   uint32_t num_q_heads;
   uint32_t num_kv_heads;
   uint32_t block_size;
+  uint32_t block_size_multiplier;  // position / block_size = (umulhi(pos, mul) + pos) >> shift
+  uint32_t block_size_shift;
   float score_scale;  // inv_sqrt_d * k_scale: the K dequant scale folds into the softmax scale
   uint64_t q_stride;
   uint64_t k_block_stride_bytes;
@@ -55,7 +57,36 @@ struct DecodeArgs {
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream);
 
+// Decode work units (shared by the planner and the kernel).
+constexpr int kDecodeTileTokens = 16;   // positions per mma tile
+constexpr int kDecodeHeadsPerCta = 8;   // query heads of one GQA group per CTA
+constexpr int kDecodeCtasPerSm = 4;     // resident CTAs per multiprocessor the planner aims for
+constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
+
+// How a decode is split over CTAs (FORMAT §5 does not depend on it; rounding does, so a plan is
+// a pure function of the shape, the device's multiprocessor count and the workspace size).
+struct DecodePlan {
+  uint32_t chunks_per_group;  // CTAs per KV head: ceil(group size / 8)
+  uint32_t num_splits;        // context splits per sequence; 1 = no workspace used
+  int32_t split_tokens;       // positions per split, a multiple of the 16-token tile
+  float* workspace;           // [num_seqs][num_q_heads][num_splits][head_dim + 2] when split
+};
+
+// Workspace bytes a plan needs.
+inline uint64_t decode_workspace_bytes(const DecodePlan& plan, uint32_t num_seqs,
+                                       uint32_t num_q_heads, uint32_t head_dim) {
+  if (plan.num_splits <= 1) return 0;
+  return uint64_t(num_seqs) * num_q_heads * plan.num_splits * (head_dim + 2) * sizeof(float);
+}
+
+// Alignment (bytes) the decode kernel's V code loads need from the V pool and its page stride.
+constexpr uint32_t decode_v_alignment(uint32_t bits, uint32_t head_dim) {
+  const uint32_t bytes = (head_dim < 128 ? head_dim : 128) / 8 * bits / 8;
+  return bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : bytes % 2 == 0 ? 2 : 1;
+}
+
 template <int BITS, int HEAD_DIM>
-cudaError_t launch_paged_decode(const DecodeArgs& args, cudaStream_t stream);
+cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan,
+                                cudaStream_t stream);
 
 }  // namespace fp8kturbov

@@ -22,6 +22,7 @@ from .ops import (
     paged_decode_attn_fp8k_turbo2v,
     paged_decode_attn_fp8k_turbo3v,
     paged_decode_attn_fp8k_turbo4v,
+    paged_decode_workspace_bytes,
     reshape_and_cache,
     reshape_and_cache_fp8k_turbo2v,
     reshape_and_cache_fp8k_turbo3v,
@@ -35,7 +36,8 @@ __all__ = [
     "ABI_VERSION", "BadStructSizeError", "CacheLayout", "CudaError", "Fp8kturbovError",
     "InvalidValueError", "MisalignedError", "NotSupportedError", "NullPointerError", "Status",
     "library_path", "paged_decode_attn", "paged_decode_attn_fp8k_turbo2v",
-    "paged_decode_attn_fp8k_turbo3v", "paged_decode_attn_fp8k_turbo4v", "reshape_and_cache",
+    "paged_decode_attn_fp8k_turbo3v", "paged_decode_attn_fp8k_turbo4v",
+    "paged_decode_workspace_bytes", "reshape_and_cache",
     "reshape_and_cache_fp8k_turbo2v", "reshape_and_cache_fp8k_turbo3v",
     "reshape_and_cache_fp8k_turbo4v", "stream_handle", "version",
 ]

@@ -71,6 +71,8 @@ class DecodeParams(ctypes.Structure):
         ("v_data_section_bytes", _u64),
         ("sliding_window", _u32),
         ("sparse_v_threshold", _f32),
+        ("workspace", _ptr),
+        ("workspace_bytes", _u64),
     ]
 
 
@@ -92,6 +94,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fp8kturbov_reshape_and_cache": (_status, [ctypes.POINTER(WriteParams), _ptr]),
     "fp8kturbov_decode_params_init": (None, [ctypes.POINTER(DecodeParams)]),
     "fp8kturbov_paged_decode_attn": (_status, [ctypes.POINTER(DecodeParams), _ptr]),
+    "fp8kturbov_paged_decode_workspace_bytes": (
+        _status, [ctypes.POINTER(DecodeParams), ctypes.POINTER(_u64)]),
     **{f"fp8kturbov_reshape_and_cache_fp8k_turbo{b}v": (_status, WRITE_ARGTYPES) for b in (2, 3, 4)},
     **{f"fp8kturbov_paged_decode_attn_fp8k_turbo{b}v": (_status, DECODE_ARGTYPES) for b in (2, 3, 4)},
 }

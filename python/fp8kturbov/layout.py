@@ -28,11 +28,15 @@ class CacheLayout:
     v_data_section_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.num_blocks < 0:
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 0:
             raise InvalidValueError(Status.INVALID_VALUE, f"num_blocks = {self.num_blocks} < 0")
         shape = (self.block_size, self.num_kv_heads, self.head_dim)
         if not all(isinstance(v, int) and 0 < v < 2**32 for v in (*shape, self.v_bits)):
-            raise InvalidValueError(Status.INVALID_VALUE, f"invalid layout {self}")
+            raise InvalidValueError(
+                Status.INVALID_VALUE,
+                f"block_size={self.block_size!r}, num_kv_heads={self.num_kv_heads!r}, "
+                f"head_dim={self.head_dim!r}, v_bits={self.v_bits!r}: each must be an integer "
+                f"in [1, 2^32 - 1]")
         sizes = {
             "k_block_stride_bytes": lib.fp8kturbov_k_page_bytes(*shape),
             "v_block_stride_bytes": lib.fp8kturbov_v_page_bytes(*shape, self.v_bits),

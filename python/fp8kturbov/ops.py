@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 from typing import Any
 
 from ._errors import InvalidValueError, Status
@@ -24,24 +25,30 @@ def stream_handle(stream: Any) -> int:
     """The raw ``CUstream`` value of ``stream`` (see the module docstring for accepted kinds)."""
     if stream is None:
         return 0
-    if isinstance(stream, int):
-        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return _unsigned("stream", stream, _U64_MAX)
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         _version, handle = protocol() if callable(protocol) else protocol
         return int(handle)
-    from cuda.bindings import driver
-
-    if isinstance(stream, driver.CUstream):
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        driver = None
+    if driver is not None and isinstance(stream, driver.CUstream):
         return int(stream)
     raise TypeError(f"stream: expected None, int, CUstream or __cuda_stream__, got {type(stream)!r}")
 
 
-def _unsigned(name: str, value: int, limit: int) -> int:
+def _unsigned(name: str, value: Any, limit: int) -> int:
     """``value`` as an unsigned C integer; ctypes would silently wrap anything out of range."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number <= limit:
         raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} is not an integer in [0, {limit}]")
-    return value
+    return number
 
 
 def _float32(name: str, value: float) -> float:
@@ -87,23 +94,45 @@ def reshape_and_cache(
     check(lib.fp8kturbov_reshape_and_cache(ctypes.byref(params), stream_handle(stream)))
 
 
+def _decode_params(fields: dict[str, Any]) -> DecodeParams:
+    params = DecodeParams()
+    lib.fp8kturbov_decode_params_init(ctypes.byref(params))
+    _fill(params, fields)
+    return params
+
+
 def paged_decode_attn(
     q: int, k_cache: int, v_cache: int, output: int, block_tables: int, seq_lens: int, *,
     max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
     head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float, q_stride: int,
     v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
     k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
-    stream: Any = None,
+    workspace: int = 0, workspace_bytes: int = 0, stream: Any = None,
 ) -> None:
     """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
 
     ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact.
+    ``workspace`` is a device buffer of ``workspace_bytes`` bytes (see
+    :func:`paged_decode_workspace_bytes`); without it the context is not split across CTAs.
     """
     fields = dict(locals())
-    params = DecodeParams()
-    lib.fp8kturbov_decode_params_init(ctypes.byref(params))
-    _fill(params, fields)
-    check(lib.fp8kturbov_paged_decode_attn(ctypes.byref(params), stream_handle(stream)))
+    del fields["stream"]
+    check(lib.fp8kturbov_paged_decode_attn(ctypes.byref(_decode_params(fields)),
+                                           stream_handle(stream)))
+
+
+def paged_decode_workspace_bytes(
+    *, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
+    head_dim: int, block_size: int, q_stride: int, v_bits: int, v_block_stride_bytes: int,
+    v_data_section_bytes: int, k_block_stride_bytes: int = 0, sliding_window: int = 0,
+    inv_sqrt_d: float = 1.0, k_scale: float = 1.0, sparse_v_threshold: float = 1e-3,
+) -> int:
+    """Workspace BYTES for :func:`paged_decode_attn` with these scalars on the current device
+    (0 when a split would not help). A host query: no synchronisation."""
+    result = ctypes.c_uint64()
+    check(lib.fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(_decode_params(dict(locals()))),
+                                                      ctypes.byref(result)))
+    return result.value
 
 
 def _call_fixed(c_function, params_type: type[ctypes.Structure], names: tuple[str, ...],

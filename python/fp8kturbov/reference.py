@@ -220,7 +220,7 @@ def decode_v(data: ArrayLike, scales: ArrayLike, bits: int) -> NDArray[np.float3
 # Cache write (FORMAT.md §4) and paged decode attention (FORMAT.md §5)
 # ---------------------------------------------------------------------------------------------------
 def _check_layout(block_size: int, num_kv_heads: int, head_dim: int, bits: int, k_block_stride_bytes: int,
-                  v_block_stride_bytes: int, v_data_section_bytes_: int) -> None:
+                  v_block_stride_bytes: int, data_section_bytes: int) -> None:
     """Reject page layouts smaller than the packed ones of FORMAT.md §2/§3 (pages would overlap)."""
     _check_head_dim(head_dim)
     _check_bits(bits)
@@ -229,11 +229,11 @@ def _check_layout(block_size: int, num_kv_heads: int, head_dim: int, bits: int, 
     scale_bytes = v_scale_section_bytes(block_size, num_kv_heads, head_dim)
     if k_block_stride_bytes < k_min:
         raise ValueError(f"k_block_stride_bytes {k_block_stride_bytes} < B·n = {k_min}")
-    if v_data_section_bytes_ < data_min:
-        raise ValueError(f"v_data_section_bytes {v_data_section_bytes_} < B·n·b/8 = {data_min}")
-    if v_block_stride_bytes < v_data_section_bytes_ + scale_bytes:
+    if data_section_bytes < data_min:
+        raise ValueError(f"v_data_section_bytes {data_section_bytes} < B·n·b/8 = {data_min}")
+    if v_block_stride_bytes < data_section_bytes + scale_bytes:
         raise ValueError(f"v_block_stride_bytes {v_block_stride_bytes} < "
-                         f"v_data_section_bytes + B·n/16 = {v_data_section_bytes_ + scale_bytes}")
+                         f"v_data_section_bytes + B·n/16 = {data_section_bytes + scale_bytes}")
 
 
 def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8],

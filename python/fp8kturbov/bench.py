@@ -1,0 +1,1143 @@
+"""Benchmark harness: paged decode and cache write against the device's memory roofline.
+
+Run it as ``python -m fp8kturbov bench`` (``--help`` lists the options) or call `run_benchmarks`.
+Everything is measured in one process on one GPU, through cuda.bindings (driver API) alone; torch
+is imported only for the BF16 peer and flashinfer only for the FP8 peer.
+
+What is measured
+----------------
+* **copy bandwidth (read+write)**: one ``cuMemcpyDtoDAsync`` of ``Config.copy_bytes`` (2 GiB),
+  counting the bytes read plus the bytes written; the median of 30 event-timed copies after 3
+  warm-up copies. It is the ceiling that every "% of ceiling" and every floor refers to: what a
+  plain streaming copy reaches on this device, somewhat below the datasheet's HBM bandwidth.
+* **launch floor**: a CUDA graph holding one 1-byte ``cuMemsetD8Async``, timed exactly like the
+  kernels: the smallest time this method reports for any launch.
+* **decode / write**: one library launch per CUDA graph (one graph per input set), replayed.
+* **peers** (decode only, shared by the rows of one shape whatever the V bits): torch's
+  ``scaled_dot_product_attention`` over contiguous BF16 K/V (``bf16_sdpa``) and flashinfer's
+  paged decode over an FP8 E4M3 cache (``fp8_flashinfer``), each "absent" when not importable.
+
+How a time is taken
+-------------------
+Sample ``i`` is: an event, the launch for input set ``i mod sets``, an event, all on one stream;
+the reported time is the median over samples. The samples are queued behind a gate (the stream
+waits with ``cuStreamWaitValue32`` on a device word that a second stream writes once a chunk of
+samples is queued), so the GPU runs them back to back and the host's cost of launching is not
+timed. Where the driver refuses stream memory operations the gate is off (``timing_gate`` in the
+device dict) and short launches then include some host time. Input sets rotate so that
+consecutive launches read different memory; a row whose sets together fit in L2 is marked
+"L2" and its bandwidth may exceed the ceiling (the H200's L2 holds 60 MB: the short shapes fit).
+
+Units
+-----
+Sizes are bytes unless named ``*_elems``; times are microseconds (µs); bandwidths are GB/s with
+1 GB = 1e9 bytes. "Bytes" of a launch are the bytes the format obliges it to move
+(`launch_bytes`), not what a profiler would count; the floor is those bytes over the ceiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib
+import importlib.metadata
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from . import CacheLayout, paged_decode_attn, reshape_and_cache, version
+
+try:
+    from cuda.bindings import driver as cu
+except ImportError:  # Device() reports it as a one-line error; the GPU-free helpers still work
+    cu = None
+
+GiB = 1 << 30
+DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
+    (1, 32768), (1, 131072), (8, 8192), (32, 8192), (128, 2048), (32, 32768), (1, 1024), (8, 4096))
+DEFAULT_WRITE_TOKENS: tuple[int, ...] = (1, 16, 128, 32768)
+OPS = ("decode", "write")
+V_BITS = (2, 3, 4)
+E4M3_MAX = 448.0
+BF16_BYTES = 2
+COPY_ITERS, COPY_WARMUP = 30, 3
+#: Samples queued behind one gate. Kept small: were the launch queue to fill while the stream
+#: waits, the host would block inside a launch and never open the gate.
+GATE_CHUNK = 32
+#: Share of the free device memory a case (or a peer) may take; the rest is slack for the
+#: allocator's rounding and whatever torch keeps cached.
+MEMORY_HEADROOM = 0.9
+
+
+class BenchError(RuntimeError):
+    """A condition that ends the benchmark with a one-line message (no GPU, a CUDA failure, ...)."""
+
+
+class PeerUnavailable(Exception):
+    """A peer that cannot run here; the message is its status ("absent", "skipped: ...")."""
+
+
+# ---- Configuration -------------------------------------------------------------------------------
+
+
+def parse_count(text: str) -> int:
+    """A positive integer, optionally with a ``k`` suffix (x1024): ``"32768"``, ``"32k"``."""
+    body = text.strip().lower()
+    scale = 1024 if body.endswith("k") else 1
+    digits = body[:-1] if scale > 1 else body
+    if not digits.isdigit() or int(digits) == 0:
+        raise ValueError(f"{text!r} is not a positive integer (a 'k' suffix means x1024)")
+    return int(digits) * scale
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of `parse_count` values: ``"128,256"``."""
+    return tuple(parse_count(item) for item in text.split(","))
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """Decode shapes ``"BATCHxCONTEXT,..."``: ``"1x32768,8x8k"`` -> ``((1, 32768), (8, 8192))``."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2:
+            raise ValueError(f"shape {item!r} is not BATCHxCONTEXT (e.g. 8x8192)")
+        shapes.append((parse_count(parts[0]), parse_count(parts[1])))
+    return tuple(shapes)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What to run. Counts are elements/tokens/sequences; ``copy_bytes`` is bytes."""
+
+    ops: tuple[str, ...] = OPS
+    shapes: tuple[tuple[int, int], ...] = DEFAULT_DECODE_SHAPES  # decode: (batch, context tokens)
+    tokens: tuple[int, ...] = DEFAULT_WRITE_TOKENS  # write: token rows per launch
+    bits: tuple[int, ...] = V_BITS
+    head_dims: tuple[int, ...] = (128,)
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    block_size: int = 16
+    iters: int = 200  # timed samples per case
+    warmup: int = 20  # untimed launches before them
+    sets: int = 3  # input sets rotated among
+    sparse_v_threshold: float = 1e-3
+    peers: bool = True
+    copy_bytes: int = 2 * GiB  # one direction of the ceiling copy
+    chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = [f"op {op!r} is not one of {OPS}" for op in self.ops if op not in OPS]
+        problems += [f"V bits {b} is not one of {V_BITS}" for b in self.bits if b not in V_BITS]
+        problems += [f"head_dim {d} is not a positive multiple of 16"
+                     for d in self.head_dims if d <= 0 or d % 16]
+        counts = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads,
+                  "block_size": self.block_size, "iters": self.iters, "sets": self.sets,
+                  "copy_bytes": self.copy_bytes, "chunk_tokens": self.chunk_tokens}
+        problems += [f"{name} = {value} must be >= 1" for name, value in counts.items() if value < 1]
+        if self.warmup < 0:
+            problems.append(f"warmup = {self.warmup} must be >= 0")
+        if self.num_kv_heads >= 1 and self.num_q_heads % self.num_kv_heads:
+            problems.append(f"num_q_heads = {self.num_q_heads} is not a multiple of "
+                            f"num_kv_heads = {self.num_kv_heads}")
+        if not self.sparse_v_threshold >= 0:
+            problems.append(f"sparse_v_threshold = {self.sparse_v_threshold} must be >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case.
+
+    ``op == "decode"``: ``batch`` sequences of ``context`` cached tokens, one query token each.
+    ``op == "write"``: ``batch`` token rows written, ``context == 0``.
+    """
+
+    op: str
+    bits: int
+    batch: int
+    context: int
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    block_size: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch}x{self.context}" if self.op == "decode" else f"{self.batch} tok"
+
+    @property
+    def row_elems(self) -> int:
+        """Elements of one token row of K (or V): ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Pages per sequence (decode): ``ceil(context / block_size)``."""
+        return -(-self.context // self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages of one input set's pools: every sequence's own pages (decode), or just enough
+        slots for the rows written (write)."""
+        if self.op == "decode":
+            return self.batch * self.blocks_per_seq
+        return -(-self.batch // self.block_size)
+
+    @property
+    def q_elems(self) -> int:
+        """Elements of q, and of the output (decode): ``batch * num_q_heads * head_dim``."""
+        return self.batch * self.num_q_heads * self.head_dim
+
+    def describe(self) -> str:
+        return f"{self.op} {self.bits}b D{self.head_dim} {self.label}"
+
+
+def build_cases(config: Config) -> list[Shape]:
+    """The cases of ``config`` in run order: decode then write; the bits of one shape adjacent,
+    so that the peers (which ignore the bits) run once per shape."""
+    heads = (config.num_q_heads, config.num_kv_heads, config.block_size)
+    sizes = {"decode": config.shapes, "write": [(tokens, 0) for tokens in config.tokens]}
+    return [Shape(op, bits, batch, context, head_dim, *heads)
+            for op in OPS if op in config.ops
+            for head_dim in config.head_dims
+            for batch, context in sizes[op]
+            for bits in config.bits]
+
+
+# ---- Byte counts (all in bytes) ----------------------------------------------------------------
+
+
+def cache_bytes_per_token(shape: Shape) -> int:
+    """Cache bytes of one token, all KV heads: K (1 per element) + V codes (bits/8 per element)
+    + V scales (1 per 16 elements)."""
+    d = shape.head_dim
+    return shape.num_kv_heads * (d + d * shape.bits // 8 + d // 16)
+
+
+def launch_bytes(shape: Shape) -> int:
+    """Bytes one launch must move.
+
+    decode: the cache bytes of every attended token, q read and the output written (bf16), the
+    used block-table entries and seq_lens (int32). write: the bf16 K and V rows read, their
+    cache bytes written, and the int64 slot mapping.
+    """
+    if shape.op == "decode":
+        tables = shape.batch * (shape.blocks_per_seq + 1) * 4
+        return (shape.batch * shape.context * cache_bytes_per_token(shape)
+                + 2 * shape.q_elems * BF16_BYTES + tables)
+    rows_read = shape.batch * shape.row_elems * 2 * BF16_BYTES
+    return rows_read + shape.batch * (cache_bytes_per_token(shape) + 8)
+
+
+def peer_bytes(shape: Shape, kv_element_bytes: int) -> int:
+    """Bytes a dense-cache peer must move for a decode shape: K and V of ``kv_element_bytes``
+    per element for every attended token, plus q and the output (bf16)."""
+    kv = 2 * shape.batch * shape.context * shape.row_elems * kv_element_bytes
+    return kv + 2 * shape.q_elems * BF16_BYTES
+
+
+def device_bytes(shape: Shape, sets: int) -> int:
+    """Device memory one case allocates for ``sets`` input sets: the pools plus the inputs."""
+    pool_slots = shape.num_blocks * shape.block_size
+    pools = pool_slots * cache_bytes_per_token(shape)
+    if shape.op == "decode":
+        per_set = pools + 2 * shape.q_elems * BF16_BYTES + (shape.num_blocks + shape.batch) * 4
+    else:
+        per_set = pools + shape.batch * (2 * shape.row_elems * BF16_BYTES + 8)
+    return sets * per_set
+
+
+def gbps(nbytes: float, time_us: float) -> float:
+    """Bandwidth in GB/s (1e9 bytes per second) of ``nbytes`` moved in ``time_us``."""
+    return nbytes / time_us / 1e3
+
+
+def floor_us(nbytes: float, ceiling_gbps: float) -> float:
+    """The least time ``nbytes`` can take at the ceiling, µs."""
+    return nbytes / (ceiling_gbps * 1e3)
+
+
+def fits_in_l2(nbytes: int, sets: int, l2_bytes: int) -> bool:
+    """Whether all input sets' bytes fit in L2 together, so that replays may be served from it."""
+    return nbytes * sets <= l2_bytes
+
+
+def fits_in_memory(needed: int, free: int) -> bool:
+    return needed <= MEMORY_HEADROOM * free
+
+
+# ---- Results -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-launch times of one case, µs."""
+
+    median_us: float
+    min_us: float
+    samples: int
+
+    @classmethod
+    def of(cls, samples_us: Sequence[float]) -> Timing:
+        return cls(statistics.median(samples_us), min(samples_us), len(samples_us))
+
+
+def measured(nbytes: int, timing: Timing, ceiling_gbps: float) -> dict[str, Any]:
+    """The numbers of ``timing`` for a launch moving ``nbytes``: times (µs), GB/s, % of ceiling."""
+    achieved = gbps(nbytes, timing.median_us)
+    return {"bytes": nbytes, "median_us": timing.median_us, "min_us": timing.min_us,
+            "samples": timing.samples, "gbps": achieved,
+            "pct_of_ceiling": 100.0 * achieved / ceiling_gbps}
+
+
+@dataclass
+class Result:
+    """One output row; `run_benchmarks` returns these as dicts (schema: `write_json`)."""
+
+    op: str
+    shape: str
+    bits: int | None = None
+    batch: int | None = None
+    context: int | None = None
+    head_dim: int | None = None
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None
+    block_size: int | None = None
+    bytes: int = 0
+    median_us: float | None = None
+    min_us: float | None = None
+    samples: int = 0
+    gbps: float | None = None
+    pct_of_ceiling: float | None = None
+    floor_us: float | None = None
+    note: str = ""
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def for_shape(cls, shape: Shape) -> Result:
+        fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(Shape)}
+        if shape.op == "write":
+            fields["context"] = None
+        return cls(shape=shape.label, bytes=launch_bytes(shape), **fields)
+
+    def record(self, timing: Timing, ceiling_gbps: float) -> None:
+        for name, value in measured(self.bytes, timing, ceiling_gbps).items():
+            setattr(self, name, value)
+        self.floor_us = floor_us(self.bytes, ceiling_gbps)
+
+
+# ---- Device access through cuda.bindings ---------------------------------------------------------
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _cu(function: Callable[..., Any], *args: Any) -> Any:
+    """Call a cuda.bindings driver function; return its values, raise `BenchError` on failure."""
+    result = function(*args)
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise BenchError(f"{function.__name__} failed: {name.decode() if name else err}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class Device:
+    """GPU ``ordinal``'s primary context (made current on this thread), the stream every launch
+    goes to, and the memory, events and graphs made through it. Use as a context manager."""
+
+    def __init__(self, ordinal: int = 0) -> None:
+        if cu is None:
+            raise BenchError("cuda.bindings is not importable (pip install cuda-python)")
+        try:
+            (err,) = cu.cuInit(0)
+        except Exception as exc:  # cuda.bindings raises when libcuda itself cannot be loaded
+            raise BenchError(f"no usable CUDA GPU: {first_line(exc)}") from None
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise BenchError(f"no usable CUDA GPU: cuInit failed: {cu.cuGetErrorName(err)[1].decode()}")
+        count = _cu(cu.cuDeviceGetCount)
+        if not 0 <= ordinal < count:
+            raise BenchError(f"no CUDA device {ordinal} ({count} found)")
+        self.ordinal = ordinal
+        self.device = _cu(cu.cuDeviceGet, ordinal)
+        self.context = _cu(cu.cuDevicePrimaryCtxRetain, self.device)
+        _cu(cu.cuCtxSetCurrent, self.context)
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        self.stream = _cu(cu.cuStreamCreate, flags)
+        self._gate_stream = _cu(cu.cuStreamCreate, flags)
+        self._buffers: list[Any] = []
+        self._graphs: list[Any] = []
+        self._events: list[Any] = []
+        self._gate = self.alloc(4)
+        _cu(cu.cuMemsetD32, self._gate, 0, 1)
+        self._gate_value = 0
+        self._geq = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        # A wait on a value already reached: succeeds at once where stream memory operations
+        # are supported, and tells us where they are not.
+        (err,) = cu.cuStreamWaitValue32(self.stream, self._gate, 0, self._geq)
+        self.gated = err == cu.CUresult.CUDA_SUCCESS
+        self.synchronize()
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # Queries
+    def attribute(self, name: str) -> int:
+        """``cuDeviceGetAttribute`` of ``CU_DEVICE_ATTRIBUTE_<name>``."""
+        return _cu(cu.cuDeviceGetAttribute, getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}"),
+                   self.device)
+
+    @property
+    def name(self) -> str:
+        return _cu(cu.cuDeviceGetName, 256, self.device).split(b"\0", 1)[0].decode()
+
+    def memory(self) -> tuple[int, int]:
+        """``(free, total)`` device memory, bytes."""
+        return _cu(cu.cuMemGetInfo)
+
+    # Memory
+    def alloc(self, nbytes: int) -> int:
+        """A new device buffer of ``nbytes`` bytes (freed by `scope` or `close`); its address."""
+        ptr = _cu(cu.cuMemAlloc, max(nbytes, 1))
+        self._buffers.append(ptr)
+        return int(ptr)
+
+    def upload(self, host: np.ndarray) -> int:
+        """A new device buffer holding ``host``'s bytes; its address."""
+        ptr = self.alloc(host.nbytes)
+        self.write(ptr, host)
+        return ptr
+
+    def write(self, address: int, host: np.ndarray) -> None:
+        """Copy ``host``'s bytes to ``address`` (synchronous)."""
+        host = np.ascontiguousarray(host)
+        _cu(cu.cuMemcpyHtoD, address, host.ctypes.data, host.nbytes)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        _cu(cu.cuMemcpyDtoDAsync, dst, src, nbytes, self.stream)
+
+    def memset(self, address: int, value: int, nbytes: int) -> None:
+        _cu(cu.cuMemsetD8Async, address, value, nbytes, self.stream)
+
+    def synchronize(self) -> None:
+        _cu(cu.cuStreamSynchronize, self.stream)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Free the buffers and graphs made inside the block when it ends."""
+        buffers, graphs = len(self._buffers), len(self._graphs)
+        try:
+            yield
+        finally:
+            self._release(buffers, graphs)
+
+    # Graphs and timing
+    def capture(self, enqueue: Callable[[], None]) -> Any:
+        """An executable CUDA graph of the work ``enqueue()`` puts on `stream`."""
+        _cu(cu.cuStreamBeginCapture, self.stream,
+            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        try:
+            enqueue()
+        except BaseException:
+            cu.cuStreamEndCapture(self.stream)  # leave the stream usable; the error is enqueue's
+            raise
+        graph = _cu(cu.cuStreamEndCapture, self.stream)
+        try:
+            executable = _cu(cu.cuGraphInstantiate, graph, 0)
+        finally:
+            cu.cuGraphDestroy(graph)  # the executable graph is a copy
+        self._graphs.append(executable)
+        return executable
+
+    def launch(self, graph: Any) -> None:
+        _cu(cu.cuGraphLaunch, graph, self.stream)
+
+    def events(self, count: int) -> list[Any]:
+        """``count`` timing events (reused across calls)."""
+        while len(self._events) < count:
+            self._events.append(_cu(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DEFAULT))
+        return self._events[:count]
+
+    def record(self, event: Any) -> None:
+        _cu(cu.cuEventRecord, event, self.stream)
+
+    def elapsed_us(self, start: Any, end: Any) -> float:
+        return 1e3 * _cu(cu.cuEventElapsedTime, start, end)
+
+    @contextlib.contextmanager
+    def gate(self) -> Iterator[None]:
+        """Hold `stream` while the block enqueues work, then let it all run back to back."""
+        if not self.gated:
+            yield
+            return
+        self._gate_value = (self._gate_value + 1) & 0xFFFFFFFF
+        _cu(cu.cuStreamWaitValue32, self.stream, self._gate, self._gate_value, self._geq)
+        try:
+            yield
+        finally:  # always open it: a stream left waiting would hang the next synchronize
+            _cu(cu.cuStreamWriteValue32, self._gate_stream, self._gate, self._gate_value, 0)
+
+    def _release(self, buffers: int, graphs: int) -> None:
+        # Cleanup ignores CUDA errors: it also runs while an earlier error propagates, which it
+        # must not replace.
+        cu.cuStreamSynchronize(self.stream)
+        for graph in self._graphs[graphs:]:
+            cu.cuGraphExecDestroy(graph)
+        for ptr in self._buffers[buffers:]:
+            cu.cuMemFree(ptr)
+        del self._graphs[graphs:], self._buffers[buffers:]
+
+    def close(self) -> None:
+        """Free everything made through this object and release the primary context."""
+        self._release(0, 0)
+        for event in self._events:
+            cu.cuEventDestroy(event)
+        self._events.clear()
+        for stream in (self.stream, self._gate_stream):
+            cu.cuStreamDestroy(stream)
+        cu.cuDevicePrimaryCtxRelease(self.device)
+
+
+def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: int,
+                  warmup: int) -> Timing:
+    """Per-launch times, µs: ``warmup`` untimed launches, then ``iters`` event-timed samples,
+    sample ``i`` being ``launches[i % len(launches)]()`` (which must enqueue on ``dev.stream``)."""
+    for i in range(warmup):
+        launches[i % len(launches)]()
+    dev.synchronize()
+    events = dev.events(2 * iters)
+    for first in range(0, iters, GATE_CHUNK):
+        with dev.gate():
+            for i in range(first, min(first + GATE_CHUNK, iters)):
+                dev.record(events[2 * i])
+                launches[i % len(launches)]()
+                dev.record(events[2 * i + 1])
+    dev.synchronize()
+    return Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)])
+
+
+def time_graphs(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
+                warmup: int) -> Timing:
+    """`time_launches` of CUDA-graph replays of each ``enqueue`` (one graph per input set)."""
+    for enqueue in enqueues:  # once outside capture: argument checks and lazy set-up
+        enqueue()
+    dev.synchronize()
+    graphs = [dev.capture(enqueue) for enqueue in enqueues]
+    return time_launches(dev, [functools.partial(dev.launch, g) for g in graphs], iters, warmup)
+
+
+# ---- Inputs --------------------------------------------------------------------------------------
+
+
+def _require(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise BenchError(f"the benchmark needs {module} ({first_line(exc)}); "
+                         "pip install ml-dtypes") from None
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """The bf16 bit patterns (uint16) of float32 ``values``, rounded to nearest even."""
+    return values.astype(_require("ml_dtypes").bfloat16).view(np.uint16)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Whole pages of cache bytes encoded by the NumPy reference, to be replicated on the device."""
+
+    k_pages: np.ndarray  # uint8, packed K pages
+    v_pages: np.ndarray  # uint8, packed V pages
+    k_scale: float
+
+
+def encode_chunk(shape: Shape, tokens: int, rng: np.random.Generator) -> Chunk:
+    """``tokens`` rows (rounded up to whole pages) of N(0, 1) bf16 K and V written by
+    `reference.write_cache` into packed pools of their own; ``k_scale = max|K| / 448``."""
+    ref = _require("fp8kturbov.reference")
+    pages = -(-tokens // shape.block_size)
+    layout = CacheLayout(pages, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.bits)
+    n, slots = layout.row_elems, layout.num_slots
+    key, value = (rng.standard_normal((slots, n), dtype=np.float32) for _ in range(2))
+    key_bits, value_bits = bf16_bits(key), bf16_bits(value)
+    bf16 = _require("ml_dtypes").bfloat16
+    k_scale = float(np.abs(key_bits.view(bf16).astype(np.float32)).max()) / E4M3_MAX
+    k_pages = np.zeros(layout.k_pool_bytes, np.uint8)
+    v_pages = np.zeros(layout.v_pool_bytes, np.uint8)
+    ref.write_cache(key_bits.view(bf16), value_bits.view(bf16), k_pages, v_pages, np.arange(slots),
+                    slots, shape.num_kv_heads, shape.head_dim, shape.block_size, n, n, k_scale,
+                    layout.k_block_stride_bytes, layout.v_block_stride_bytes,
+                    layout.v_data_section_bytes, shape.bits)
+    return Chunk(k_pages, v_pages, k_scale)
+
+
+def replicate(dev: Device, dst: int, nbytes: int, pattern: np.ndarray) -> None:
+    """Fill ``nbytes`` at ``dst`` with repeats of ``pattern``: one upload, then device copies
+    that double the filled part (a logarithmic number of copies)."""
+    filled = min(nbytes, pattern.nbytes)
+    dev.write(dst, pattern[:filled])
+    while filled < nbytes:
+        step = min(filled, nbytes - filled)
+        dev.copy(dst + filled, dst, step)
+        filled += step
+
+
+def _layout(shape: Shape) -> CacheLayout:
+    return CacheLayout(shape.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim,
+                       shape.bits)
+
+
+@dataclass(frozen=True)
+class DecodeBuffers:
+    """Device addresses of one decode input set."""
+
+    q: int
+    k_cache: int
+    v_cache: int
+    output: int
+    block_tables: int
+    seq_lens: int
+
+
+@dataclass(frozen=True)
+class WriteBuffers:
+    """Device addresses of one write input set."""
+
+    key: int
+    value: int
+    k_cache: int
+    v_cache: int
+    slot_mapping: int
+
+
+def _page_strides(layout: CacheLayout) -> dict[str, int]:
+    """The page-layout arguments (bytes) that both library calls take."""
+    return {"k_block_stride_bytes": layout.k_block_stride_bytes,
+            "v_block_stride_bytes": layout.v_block_stride_bytes,
+            "v_data_section_bytes": layout.v_data_section_bytes}
+
+
+def launch_decode(shape: Shape, layout: CacheLayout, k_scale: float, buffers: DecodeBuffers,
+                  sparse_v_threshold: float, stream: Any) -> None:
+    """The benchmark's one call of the library's decode (a split-K workspace goes here)."""
+    paged_decode_attn(
+        buffers.q, buffers.k_cache, buffers.v_cache, buffers.output, buffers.block_tables,
+        buffers.seq_lens, max_blocks_per_seq=shape.blocks_per_seq, num_seqs=shape.batch,
+        num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        block_size=shape.block_size, inv_sqrt_d=shape.head_dim ** -0.5, k_scale=k_scale,
+        q_stride=shape.num_q_heads * shape.head_dim, v_bits=shape.bits,
+        sparse_v_threshold=sparse_v_threshold, stream=stream, **_page_strides(layout))
+
+
+def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: WriteBuffers,
+                 stream: Any) -> None:
+    """The benchmark's one call of the library's cache write."""
+    reshape_and_cache(
+        buffers.key, buffers.value, buffers.k_cache, buffers.v_cache, buffers.slot_mapping,
+        num_tokens=shape.batch, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        block_size=shape.block_size, key_stride=shape.row_elems, value_stride=shape.row_elems,
+        k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout))
+
+
+def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
+                    rng: np.random.Generator) -> list[Callable[[], None]]:
+    """One decode launch per input set: pools filled with ``chunk``, each sequence on its own
+    pages in a random order, every sequence ``context`` tokens long, random bf16 q."""
+    layout = _layout(shape)
+    enqueues = []
+    for _ in range(config.sets):
+        q = rng.standard_normal(shape.q_elems, dtype=np.float32)
+        buffers = DecodeBuffers(
+            q=dev.upload(bf16_bits(q)), k_cache=dev.alloc(layout.k_pool_bytes),
+            v_cache=dev.alloc(layout.v_pool_bytes), output=dev.alloc(shape.q_elems * BF16_BYTES),
+            block_tables=dev.upload(rng.permutation(layout.num_blocks).astype(np.int32)),
+            seq_lens=dev.upload(np.full(shape.batch, shape.context, np.int32)))
+        replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
+        replicate(dev, buffers.v_cache, layout.v_pool_bytes, chunk.v_pages)
+        enqueues.append(functools.partial(launch_decode, shape, layout, chunk.k_scale, buffers,
+                                          config.sparse_v_threshold, dev.stream))
+    return enqueues
+
+
+def write_enqueues(dev: Device, shape: Shape, config: Config,
+                   rng: np.random.Generator) -> list[Callable[[], None]]:
+    """One write launch per input set: N(0, 1) bf16 rows to distinct random slots."""
+    layout = _layout(shape)
+    key, value = (rng.standard_normal((shape.batch, shape.row_elems), dtype=np.float32)
+                  for _ in range(2))
+    k_scale = float(np.abs(key).max()) / E4M3_MAX
+    key_bits, value_bits = bf16_bits(key), bf16_bits(value)
+    enqueues = []
+    for _ in range(config.sets):
+        slots = rng.permutation(layout.num_slots)[:shape.batch].astype(np.int64)
+        buffers = WriteBuffers(
+            key=dev.upload(key_bits), value=dev.upload(value_bits),
+            k_cache=dev.alloc(layout.k_pool_bytes), v_cache=dev.alloc(layout.v_pool_bytes),
+            slot_mapping=dev.upload(slots))
+        enqueues.append(functools.partial(launch_write, shape, layout, k_scale, buffers, dev.stream))
+    return enqueues
+
+
+# ---- Peers (decode only) -------------------------------------------------------------------------
+
+
+def _optional(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PeerUnavailable("absent") from None
+
+
+def _check_peer_memory(dev: Device, needed: int) -> None:
+    free, _ = dev.memory()
+    if not fits_in_memory(needed, free):
+        raise PeerUnavailable(f"skipped: needs {needed / GiB:.1f} GiB, {free / GiB:.1f} GiB free")
+
+
+def _torch_graph(torch: Any, fn: Callable[[], Any]) -> Any:
+    """A ``torch.cuda.CUDAGraph`` of ``fn``, run once eagerly first (kernel choice, lazy set-up)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _time_torch(dev: Device, torch: Any, make_fn: Callable[[], Callable[[], Any]],
+                config: Config) -> Timing:
+    """Time graph replays of ``make_fn()`` (called once per input set) on ``dev.stream``."""
+    stream = torch.cuda.ExternalStream(int(dev.stream))
+    with torch.cuda.stream(stream):  # tensors, warm-up and replays all on the timing stream
+        fns = [make_fn() for _ in range(config.sets)]  # holds the inputs the graphs read
+        graphs = [_torch_graph(torch, fn) for fn in fns]
+        return time_launches(dev, [g.replay for g in graphs], config.iters, config.warmup)
+
+
+def peer_bf16_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
+    """torch SDPA over contiguous bf16 K/V ``[batch, kv_heads, context, head_dim]``, q
+    ``[batch, q_heads, 1, head_dim]``, GQA through ``enable_gqa`` (or K/V heads repeated before
+    timing where torch lacks it). Returns (bytes, timing)."""
+    torch = _optional("torch")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    group = shape.num_q_heads // shape.num_kv_heads
+    try:
+        probe = torch.zeros(1, group, 1, 16, dtype=torch.bfloat16, device="cuda")
+        sdpa(probe, probe[:, :1], probe[:, :1], enable_gqa=True)
+        repeat, kwargs = 1, {"enable_gqa": True}
+    except TypeError:  # torch < 2.5
+        repeat, kwargs = group, {}
+    kv_bytes = peer_bytes(shape, BF16_BYTES)
+    _check_peer_memory(dev, config.sets * kv_bytes * repeat + kv_bytes)
+
+    def kv() -> Any:
+        dense = torch.randn(shape.batch, shape.num_kv_heads, shape.context, shape.head_dim,
+                            dtype=torch.bfloat16, device="cuda")
+        return dense.repeat_interleave(repeat, dim=1) if repeat > 1 else dense
+
+    def make_fn() -> Callable[[], Any]:
+        q = torch.randn(shape.batch, shape.num_q_heads, 1, shape.head_dim, dtype=torch.bfloat16,
+                        device="cuda")
+        return functools.partial(sdpa, q, kv(), kv(), **kwargs)
+
+    return kv_bytes, _time_torch(dev, torch, make_fn, config)
+
+
+def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
+    """flashinfer's paged decode over an FP8 E4M3 K/V cache (NHD pages of ``block_size``
+    tokens), bf16 q and output. Returns (bytes, timing)."""
+    torch = _optional("torch")
+    flashinfer = _optional("flashinfer")
+    workspace_bytes = 128 << 20  # flashinfer's documented default for decode
+    nbytes = peer_bytes(shape, 1)
+    _check_peer_memory(dev, config.sets * (nbytes + workspace_bytes))
+    pages, per_seq = shape.num_blocks, shape.blocks_per_seq
+
+    def make_fn() -> Callable[[], Any]:
+        int32 = {"dtype": torch.int32, "device": "cuda"}
+        indptr = torch.arange(shape.batch + 1, **int32) * per_seq
+        indices = torch.randperm(pages, **int32)
+        last_len = torch.full((shape.batch,), shape.context - (per_seq - 1) * shape.block_size, **int32)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda"), "NHD",
+            use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
+            paged_kv_indices_buffer=torch.empty_like(indices),
+            paged_kv_last_page_len_buffer=torch.empty_like(last_len))
+        wrapper.plan(indptr, indices, last_len, shape.num_q_heads, shape.num_kv_heads,
+                     shape.head_dim, shape.block_size, q_data_type=torch.bfloat16,
+                     kv_data_type=torch.float8_e4m3fn)
+        page_shape = (pages, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        # Bytes below 0x78 are finite positive E4M3 values: random data without NaN.
+        k, v = (torch.randint(0, 0x78, page_shape, dtype=torch.uint8, device="cuda")
+                .view(torch.float8_e4m3fn) for _ in range(2))
+        q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, dtype=torch.bfloat16,
+                        device="cuda")
+        return functools.partial(wrapper.run, q, (k, v))
+
+    return nbytes, _time_torch(dev, torch, make_fn, config)
+
+
+PEERS: dict[str, Callable[[Device, Shape, Config], tuple[int, Timing]]] = {
+    "bf16_sdpa": peer_bf16_sdpa,
+    "fp8_flashinfer": peer_fp8_flashinfer,
+}
+
+
+def run_peer(name: str, dev: Device, shape: Shape, config: Config,
+             ceiling_gbps: float) -> dict[str, Any]:
+    """One peer's numbers for ``shape`` (see `measured`) with ``status`` "ok"; else only a status:
+    "absent", "skipped: <why>" or "error: <first line of the error>"."""
+    try:
+        nbytes, timing = PEERS[name](dev, shape, config)
+        return {"status": "ok", **measured(nbytes, timing, ceiling_gbps)}
+    except PeerUnavailable as why:
+        return {"status": str(why)}
+    except BenchError:
+        raise
+    except Exception as exc:  # a peer's failure must not end the run; the row says what it was
+        return {"status": f"error: {first_line(exc)}"}
+    finally:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # hand the peer's memory back for the next case
+
+
+# ---- The run -------------------------------------------------------------------------------------
+
+
+def progress(items: Sequence[Any], label: Callable[[Any], str], enabled: bool = True) -> Iterator[Any]:
+    """Yield ``items`` while showing progress on stderr: a tqdm bar if tqdm is importable, else
+    one ``[i/n] label`` line per item."""
+    if not enabled:
+        yield from items
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        for i, item in enumerate(items, 1):
+            print(f"[{i}/{len(items)}] {label(item)}", file=sys.stderr, flush=True)
+            yield item
+        return
+    with tqdm(items, file=sys.stderr, unit="case", leave=False) as bar:
+        for item in bar:
+            bar.set_postfix_str(label(item))
+            yield item
+
+
+def measure_copy(dev: Device, config: Config) -> Result:
+    """The ceiling: a DtoD copy of ``config.copy_bytes``, bytes read plus bytes written."""
+    n = config.copy_bytes
+    result = Result(op="copy", shape=f"{n / GiB:g} GiB DtoD", bytes=2 * n)
+    free, _ = dev.memory()
+    if not fits_in_memory(2 * n, free):
+        raise BenchError(f"the ceiling copy needs 2 x {n / GiB:g} GiB, {free / GiB:.1f} GiB free")
+    with dev.scope():
+        src, dst = dev.alloc(n), dev.alloc(n)
+        dev.memset(src, 1, n)  # touch both buffers before timing
+        dev.memset(dst, 0, n)
+        timing = time_launches(dev, [functools.partial(dev.copy, dst, src, n)], COPY_ITERS,
+                               COPY_WARMUP)
+    result.record(timing, gbps(result.bytes, timing.median_us))
+    return result
+
+
+def measure_launch_floor(dev: Device, config: Config, ceiling_gbps: float) -> Result:
+    """The launch floor: graph replays of one 1-byte memset, timed like the kernels."""
+    result = Result(op="launch", shape="1-byte memset graph", bytes=1)
+    with dev.scope():
+        byte = dev.alloc(1)
+        result.record(time_graphs(dev, [functools.partial(dev.memset, byte, 0, 1)], config.iters,
+                                  config.warmup), ceiling_gbps)
+    return result
+
+
+class _Runner:
+    """State shared by the cases of one run: the ceiling, encoded chunks, peer results."""
+
+    def __init__(self, dev: Device, config: Config, ceiling_gbps: float) -> None:
+        self.dev, self.config, self.ceiling = dev, config, ceiling_gbps
+        self.rng = np.random.default_rng(config.seed)
+        self.l2_bytes = dev.attribute("L2_CACHE_SIZE")
+        self._chunks: dict[Shape, Chunk] = {}
+        self._peers: dict[Shape, dict[str, dict[str, Any]]] = {}
+
+    def chunk(self, shape: Shape) -> Chunk:
+        key = dataclasses.replace(shape, batch=0, context=0)  # the chunk depends on the layout only
+        if key not in self._chunks:
+            self._chunks[key] = encode_chunk(shape, self.config.chunk_tokens, self.rng)
+        return self._chunks[key]
+
+    def case(self, shape: Shape) -> Result:
+        result = Result.for_shape(shape)
+        needed, (free, _) = device_bytes(shape, self.config.sets), self.dev.memory()
+        if not fits_in_memory(needed, free):
+            result.note = f"skipped: needs {needed / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
+            return result
+        with self.dev.scope():
+            if shape.op == "decode":
+                enqueues = decode_enqueues(self.dev, shape, self.config, self.chunk(shape), self.rng)
+            else:
+                enqueues = write_enqueues(self.dev, shape, self.config, self.rng)
+            result.record(time_graphs(self.dev, enqueues, self.config.iters, self.config.warmup),
+                          self.ceiling)
+        if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
+            result.note = "L2"
+        if shape.op == "decode" and self.config.peers:
+            result.peers = self.peers(shape)
+        return result
+
+    def peers(self, shape: Shape) -> dict[str, dict[str, Any]]:
+        key = dataclasses.replace(shape, bits=0)  # peers do not depend on the V bits
+        if key not in self._peers:
+            self._peers[key] = {name: run_peer(name, self.dev, shape, self.config, self.ceiling)
+                                for name in PEERS}
+        return self._peers[key]
+
+
+def run_benchmarks(config: Config, *, device: Device | None = None,
+                   show_progress: bool = True) -> list[dict[str, Any]]:
+    """Measure the ceiling, the launch floor and every case of ``config``.
+
+    Returns one dict per row (schema: `write_json`): first ``op == "copy"`` (the ceiling), then
+    ``op == "launch"`` (the launch floor), then the cases in `build_cases` order. ``device``: an
+    open `Device` to use; by default one is opened on GPU 0 and closed at the end.
+    """
+    cases = build_cases(config)
+    dev = device if device is not None else Device()
+    try:
+        copy = measure_copy(dev, config)
+        rows = [copy, measure_launch_floor(dev, config, copy.gbps)]
+        runner = _Runner(dev, config, copy.gbps)
+        rows += [runner.case(shape) for shape in progress(cases, Shape.describe, show_progress)]
+    finally:
+        if device is None:
+            dev.close()
+    return [dataclasses.asdict(row) for row in rows]
+
+
+# ---- Reporting -----------------------------------------------------------------------------------
+
+
+def _module_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _command_output(*command: str) -> str | None:
+    """The first line a command prints, or None where it is missing or fails."""
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20, check=True,
+                             cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def describe_device(dev: Device) -> dict[str, Any]:
+    """The run's context: GPU, driver, software versions, commit and date (schema: `write_json`)."""
+    cuda_version = _cu(cu.cuDriverGetVersion)
+    return {
+        "name": dev.name,
+        "driver": _command_output("nvidia-smi", f"--id={dev.ordinal}", "--query-gpu=driver_version",
+                                  "--format=csv,noheader"),
+        "cuda_driver_api": f"{cuda_version // 1000}.{cuda_version % 1000 // 10}",
+        "memory_bytes": dev.memory()[1],
+        "l2_bytes": dev.attribute("L2_CACHE_SIZE"),
+        "sm_count": dev.attribute("MULTIPROCESSOR_COUNT"),
+        "timing_gate": dev.gated,
+        "library_version": version(),
+        "commit": _command_output("git", "rev-parse", "--short", "HEAD"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": _module_version("torch"),
+        "flashinfer": _module_version("flashinfer"),
+    }
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _peer_cell(peer: dict[str, Any] | None) -> str:
+    if peer is None:
+        return "-"
+    if peer["status"] == "ok":
+        return _number(peer["median_us"], 2)
+    return peer["status"].split(":", 1)[0]  # the reason is listed under the table
+
+
+TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "bf16 us",
+                 "fp8 us", "note")
+
+
+def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The cells of the case rows (decode and write), in `TABLE_COLUMNS` order."""
+    return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
+             _number(row["median_us"], 2), _number(row["gbps"], 0),
+             _number(row["pct_of_ceiling"]), _number(row["floor_us"], 2),
+             _peer_cell(row["peers"].get("bf16_sdpa")), _peer_cell(row["peers"].get("fp8_flashinfer")),
+             row["note"].split(":", 1)[0])
+            for row in rows if row["op"] in OPS]
+
+
+def format_table(cells: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """Plain-text columns: text left-aligned, numbers right-aligned."""
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *cells)]
+    numeric = [all(_is_number(row[i]) for row in cells) and bool(cells) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(row, widths, numeric)).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return text == "-"
+    return True
+
+
+def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config: Config) -> str:
+    """The table, why any cell is empty, the ceiling and launch-floor lines, the parameters and
+    the run's context (commit, GPU, driver, date)."""
+    by_op = {row["op"]: row for row in rows}
+    lines = [format_table(table_rows(rows), TABLE_COLUMNS), "", *_reasons(rows)]
+    if "copy" in by_op:
+        copy = by_op["copy"]
+        lines.append(f"copy bandwidth (read+write): {_number(copy['gbps'], 0)} GB/s ({copy['shape']}, "
+                     f"median of {copy['samples']}): the ceiling of '% ceil' and 'floor us'")
+    if "launch" in by_op:
+        launch = by_op["launch"]
+        lines.append(f"launch floor: {_number(launch['median_us'], 2)} us ({launch['shape']})")
+    lines.append(f"q_heads {config.num_q_heads}, kv_heads {config.num_kv_heads}, block_size "
+                 f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}; "
+                 f"median of {config.iters} graph replays rotating {config.sets} input sets; "
+                 "L2: all sets fit in L2 together")
+    if not device.get("timing_gate", True):
+        lines.append("timing gate unsupported by this driver: short launches include host time")
+    lines.append(f"commit {device.get('commit') or 'unknown'} | {device.get('name')} | driver "
+                 f"{device.get('driver') or 'unknown'} (CUDA {device.get('cuda_driver_api')}) | "
+                 f"{device.get('date')}")
+    return "\n".join(lines)
+
+
+def _reasons(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Why table cells are empty: skipped cases, and peers skipped or failed (once per shape,
+    as the peers' results repeat over the bits)."""
+    found = []
+    for row in rows:
+        where = f"{row['op']} {row['shape']} D{row['head_dim']}"
+        if row["note"].startswith("skipped"):
+            found.append(f"{where} {row['bits']}b: {row['note']}")
+        found += [f"{where} {name}: {peer['status']}" for name, peer in row["peers"].items()
+                  if ":" in peer["status"]]
+    return list(dict.fromkeys(found))
+
+
+def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[str, Any],
+               config: Config) -> None:
+    """Write every number of a run to ``path`` as JSON.
+
+    Schema (``"schema": "fp8kturbov-bench/1"``)::
+
+        {"schema": str,
+         "device": {"name": str, "driver": str|null, "cuda_driver_api": "13.0",
+                    "memory_bytes": int, "l2_bytes": int, "sm_count": int,
+                    "timing_gate": bool, "library_version": str, "commit": str|null,
+                    "date": ISO 8601 UTC, "python": str, "torch": str|null,
+                    "flashinfer": str|null},
+         "config": the `Config` fields,
+         "rows": [{"op": "copy"|"launch"|"decode"|"write",
+                   "shape": "8x8192" | "128 tok" | description,
+                   "bits", "batch", "context", "head_dim", "num_q_heads", "num_kv_heads",
+                   "block_size": int|null  (null where not applicable; for write, "batch" is
+                                           the token rows written and "context" is null),
+                   "bytes": int            bytes the launch must move (see launch_bytes),
+                   "median_us", "min_us": float|null  per launch, µs (null: skipped),
+                   "samples": int,
+                   "gbps": float|null      bytes / median, 1e9 B/s,
+                   "pct_of_ceiling": float|null,
+                   "floor_us": float|null  bytes / ceiling, µs,
+                   "note": ""|"L2"|"skipped: <why>",
+                   "peers": {"bf16_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
+                             "skipped: <why>"|"error: <why>", and when "ok": "bytes",
+                             "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}}}]}
+
+    The first row is the ceiling copy (``op == "copy"``), the second the launch floor.
+    """
+    document = {"schema": "fp8kturbov-bench/1", "device": device,
+                "config": dataclasses.asdict(config), "rows": list(rows)}
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+
+
+def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
+    """A roofline-style PNG: bytes per launch (log x) against achieved GB/s (log y), one series
+    per op/bits/head_dim, peers as separate markers, the ceiling as a horizontal line and the
+    ceiling-plus-launch-floor curve. Returns None when written, else why it was not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable"
+    by_op = {row["op"]: row for row in rows}
+    cases = [row for row in rows if row["op"] in OPS and row["gbps"] is not None]
+    if "copy" not in by_op or not cases:
+        return "no measured cases to plot"
+    ceiling = by_op["copy"]["gbps"]
+    figure, axes = plt.subplots(figsize=(9, 6))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row in cases:
+        series.setdefault(f"{row['op']} {row['bits']}b D{row['head_dim']}", []).append(row)
+    for label, members in series.items():
+        members.sort(key=lambda r: r["bytes"])
+        axes.plot([r["bytes"] for r in members], [r["gbps"] for r in members], "o-", label=label)
+    plotted = list(cases)
+    for name, marker in zip(PEERS, ("x", "^")):
+        peers = [row["peers"][name] for row in cases
+                 if row["peers"].get(name, {}).get("status") == "ok"]
+        if peers:
+            axes.scatter([p["bytes"] for p in peers], [p["gbps"] for p in peers], marker=marker,
+                         s=60, color="black", label=f"peer {name}", zorder=3)
+        plotted += peers
+    axes.axhline(ceiling, color="red", linestyle="--", label=f"copy ceiling {ceiling:.0f} GB/s")
+    if "launch" in by_op:
+        launch_us = by_op["launch"]["median_us"]
+        xs = np.logspace(np.log10(min(r["bytes"] for r in plotted)),
+                         np.log10(max(r["bytes"] for r in plotted)), 200)
+        axes.plot(xs, [gbps(x, floor_us(x, ceiling) + launch_us) for x in xs], ":", color="gray",
+                  label=f"ceiling + launch floor {launch_us:.1f} us")
+    axes.set(xscale="log", yscale="log", xlabel="bytes moved per launch",
+             ylabel="achieved GB/s (1e9 B/s)", title="fp8kturbov: decode and write vs copy ceiling")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return None
+

@@ -1,0 +1,414 @@
+"""The benchmark harness: its GPU-free parts here, and one tiny end-to-end run on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fp8kturbov
+from fp8kturbov import bench
+from fp8kturbov.__main__ import build_parser, config_from_args, main
+
+D128_3BIT = bench.Shape("decode", 3, 1, 32768, 128, 32, 8, 16)
+
+
+# ---- Parsing and configuration ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, want", [("32768", 32768), ("32k", 32768), (" 8K ", 8192), ("1", 1)])
+def test_parse_count(text, want):
+    assert bench.parse_count(text) == want
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "x", "1.5", "", "k", "2m"])
+def test_parse_count_rejects(text):
+    with pytest.raises(ValueError, match="not a positive integer"):
+        bench.parse_count(text)
+
+
+def test_parse_shapes_and_counts():
+    assert bench.parse_shapes("1x32768,8x8k") == ((1, 32768), (8, 8192))
+    assert bench.parse_shapes("128X2048") == ((128, 2048),)
+    assert bench.parse_counts("128,256") == (128, 256)
+    for bad in ("1", "1x2x3", "8x", "x8", "1x32768,"):
+        with pytest.raises(ValueError):
+            bench.parse_shapes(bad)
+
+
+def test_default_config_is_the_issue_table():
+    config = bench.Config()
+    assert set(config.shapes) == {(1, 32768), (1, 131072), (8, 8192), (32, 8192), (128, 2048),
+                                  (32, 32768), (1, 1024), (8, 4096)}
+    assert config.tokens == (1, 16, 128, 32768)
+    assert (config.num_q_heads, config.num_kv_heads, config.block_size) == (32, 8, 16)
+    assert config.bits == (2, 3, 4) and config.head_dims == (128,)
+    assert config.copy_bytes >= 2 * bench.GiB and config.sparse_v_threshold == 1e-3
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"bits": (5,)}, "V bits 5"),
+    ({"head_dims": (100,)}, "head_dim 100"),
+    ({"num_q_heads": 30}, "not a multiple of num_kv_heads"),
+    ({"iters": 0}, "iters = 0"),
+    ({"sets": 0}, "sets = 0"),
+    ({"warmup": -1}, "warmup"),
+    ({"ops": ("prefill",)}, "op 'prefill'"),
+    ({"sparse_v_threshold": -1.0}, "sparse_v_threshold"),
+])
+def test_config_rejects(changes, message):
+    with pytest.raises(ValueError, match=message):
+        bench.Config(**changes)
+
+
+def test_cases_run_decode_then_write_with_bits_adjacent():
+    cases = bench.build_cases(bench.Config())
+    assert len(cases) == 8 * 3 + 4 * 3
+    assert [c.op for c in cases] == ["decode"] * 24 + ["write"] * 12
+    assert [c.bits for c in cases[:6]] == [2, 3, 4, 2, 3, 4]
+    assert cases[0].label == "1x32768" and cases[-1].label == "32768 tok"
+    assert bench.build_cases(bench.Config(ops=("write",), head_dims=(128, 256)))[-1].head_dim == 256
+
+
+# ---- Byte counts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cache_bytes_per_token_match_the_library_layout(bits, head_dim):
+    shape = bench.Shape("decode", bits, 1, 16, head_dim, 8, 8, 16)
+    layout = fp8kturbov.CacheLayout(4, 16, 8, head_dim, bits)
+    assert bench.cache_bytes_per_token(shape) == layout.bytes_per_token
+
+
+def test_decode_bytes():
+    # 32768 tokens x 8 heads x (128 K + 48 V codes + 8 V scales), q and out in bf16, 2048 page
+    # entries and one seq_len.
+    assert bench.launch_bytes(D128_3BIT) == 32768 * 8 * 184 + 2 * 32 * 128 * 2 + (2048 + 1) * 4
+
+
+def test_write_bytes():
+    shape = bench.Shape("write", 3, 128, 0, 128, 32, 8, 16)
+    read = 128 * 1024 * (2 + 2)  # bf16 K and V rows
+    written = 128 * (1024 + 1024 * 3 // 8 + 1024 // 16)
+    assert bench.launch_bytes(shape) == read + written + 128 * 8
+
+
+def test_peer_bytes():
+    assert bench.peer_bytes(D128_3BIT, 2) == 2 * 32768 * 8 * 128 * 2 + 2 * 32 * 128 * 2
+    assert bench.peer_bytes(D128_3BIT, 1) == 2 * 32768 * 8 * 128 + 2 * 32 * 128 * 2
+
+
+def test_device_bytes_cover_the_pools_of_every_set():
+    shape = bench.Shape("decode", 4, 2, 300, 128, 32, 8, 16)  # a partial last page
+    assert shape.blocks_per_seq == 19 and shape.num_blocks == 38
+    layout = fp8kturbov.CacheLayout(38, 16, 8, 128, 4)
+    inputs = 2 * 2 * 32 * 128 * 2 + (38 + 2) * 4
+    assert bench.device_bytes(shape, 3) == 3 * (layout.k_pool_bytes + layout.v_pool_bytes + inputs)
+    write = bench.Shape("write", 2, 17, 0, 128, 32, 8, 16)
+    assert write.num_blocks == 2
+
+
+def test_bandwidth_floor_and_fits():
+    assert bench.gbps(4.3e9, 1000.0) == pytest.approx(4300.0)
+    assert bench.floor_us(4.3e9, 4300.0) == pytest.approx(1000.0)
+    assert bench.floor_us(bench.launch_bytes(D128_3BIT), 4000.0) == pytest.approx(
+        bench.launch_bytes(D128_3BIT) / 4e12 * 1e6)
+    assert bench.fits_in_l2(20 << 20, 3, 60 << 20) and not bench.fits_in_l2(21 << 20, 3, 60 << 20)
+    assert bench.fits_in_memory(90, 100) and not bench.fits_in_memory(91, 100)
+
+
+def test_result_records_a_timing():
+    result = bench.Result.for_shape(D128_3BIT)
+    result.record(bench.Timing.of([30.0, 10.0, 20.0, 40.0]), ceiling_gbps=4000.0)
+    assert (result.median_us, result.min_us, result.samples) == (25.0, 10.0, 4)
+    assert result.gbps == pytest.approx(result.bytes / 25e-6 / 1e9)
+    assert result.pct_of_ceiling == pytest.approx(100 * result.gbps / 4000.0)
+    assert result.floor_us == pytest.approx(result.bytes / 4e12 * 1e6)
+    assert (result.op, result.shape, result.context) == ("decode", "1x32768", 32768)
+    assert bench.Result.for_shape(bench.Shape("write", 3, 16, 0, 128, 32, 8, 16)).context is None
+
+
+# ---- Timing loop and pool filling, with stand-ins for the device ------------------------------------
+
+
+class FakeDevice:
+    """The part of `bench.Device` that `time_launches` and `replicate` use, on a fake clock and
+    a host byte array."""
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self.clock, self.stamps, self.log = 0.0, {}, []
+        self.memory = np.zeros(nbytes, np.uint8)
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def events(self, count):
+        return list(range(count))
+
+    def record(self, event):
+        self.stamps[event] = self.clock
+
+    def elapsed_us(self, start, end):
+        return self.stamps[end] - self.stamps[start]
+
+    @contextlib.contextmanager
+    def gate(self):
+        self.log.append("hold")
+        yield
+        self.log.append("open")
+
+    def write(self, address, host):
+        self.memory[address:address + host.nbytes] = host
+
+    def copy(self, dst, src, nbytes):
+        assert dst >= src + nbytes, "overlapping copy"
+        self.memory[dst:dst + nbytes] = self.memory[src:src + nbytes]
+        self.log.append("copy")
+
+
+def test_time_launches_rotates_sets_and_gates_chunks():
+    dev, order = FakeDevice(), []
+
+    def launch(index, duration):
+        order.append(index)
+        dev.clock += duration
+
+    launches = [lambda: launch(0, 1.0), lambda: launch(1, 3.0)]
+    timing = bench.time_launches(dev, launches, iters=70, warmup=3)
+    assert order == [0, 1, 0] + [i % 2 for i in range(70)]
+    assert (timing.median_us, timing.min_us, timing.samples) == (2.0, 1.0, 70)
+    assert dev.log.count("hold") == dev.log.count("open") == -(-70 // bench.GATE_CHUNK)
+
+
+def test_replicate_fills_with_few_copies():
+    pattern = np.arange(3 * 16, dtype=np.uint8)  # three 16-byte "pages"
+    dev = FakeDevice(1000 * 16 + 64)
+    bench.replicate(dev, 64, 1000 * 16, pattern)
+    filled = dev.memory[64:].reshape(1000, 16)
+    assert np.array_equal(filled, pattern.reshape(3, 16)[np.arange(1000) % 3])
+    assert dev.log.count("copy") <= 10  # doubling: log2(1000 / 3) + 1
+    assert not dev.memory[:64].any()
+
+
+def test_encode_chunk_is_whole_reference_pages():
+    pytest.importorskip("ml_dtypes")
+    from fp8kturbov import reference as ref
+
+    shape = bench.Shape("decode", 3, 1, 1, 128, 4, 2, 16)
+    chunk = bench.encode_chunk(shape, 20, np.random.default_rng(1))
+    layout = fp8kturbov.CacheLayout(2, 16, 2, 128, 3)  # 20 tokens round up to 2 pages
+    assert chunk.k_pages.nbytes == layout.k_pool_bytes
+    assert chunk.v_pages.nbytes == layout.v_pool_bytes
+    # k_scale = max|K| / 448: the largest K decodes back to max|K| exactly.
+    assert np.abs(ref.decode_k(chunk.k_pages, chunk.k_scale)).max() == pytest.approx(448 * chunk.k_scale)
+    assert chunk.v_pages.any()
+
+
+# ---- Peers -----------------------------------------------------------------------------------------
+
+
+def test_peer_failures_become_statuses(monkeypatch):
+    def broken(dev, shape, config):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    def unavailable(dev, shape, config):
+        raise bench.PeerUnavailable("skipped: needs 9.0 GiB, 1.0 GiB free")
+
+    monkeypatch.setattr(bench, "PEERS", {"a": broken, "b": unavailable})
+    config = bench.Config()
+    assert bench.run_peer("a", None, D128_3BIT, config, 4000.0) == {"status": "error: kernel exploded"}
+    assert bench.run_peer("b", None, D128_3BIT, config, 4000.0)["status"].startswith("skipped:")
+
+
+@pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_flashinfer"])
+def test_missing_peer_module_is_absent(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert bench.run_peer(name, None, D128_3BIT, bench.Config(), 4000.0) == {"status": "absent"}
+
+
+# ---- Output ----------------------------------------------------------------------------------------
+
+
+def fake_rows() -> list[dict]:
+    """The rows of a small run, as run_benchmarks would return them."""
+    copy = bench.Result(op="copy", shape="2 GiB DtoD", bytes=4 * bench.GiB)
+    copy.record(bench.Timing.of([1000.0] * 30), bench.gbps(copy.bytes, 1000.0))
+    launch = bench.Result(op="launch", shape="1-byte memset graph", bytes=1)
+    launch.record(bench.Timing.of([2.5]), copy.gbps)
+    decode = bench.Result.for_shape(D128_3BIT)
+    decode.record(bench.Timing.of([14.0, 15.0]), copy.gbps)
+    decode.peers = {"bf16_sdpa": {"status": "ok", **bench.measured(
+        bench.peer_bytes(D128_3BIT, 2), bench.Timing.of([50.0]), copy.gbps)},
+        "fp8_flashinfer": {"status": "absent"}}
+    skipped = bench.Result.for_shape(bench.Shape("decode", 4, 32, 32768, 128, 32, 8, 16))
+    skipped.note = "skipped: needs 200.0 GiB, 100.0 GiB free"
+    skipped.peers = {"bf16_sdpa": {"status": "skipped: needs 24.0 GiB, 1.0 GiB free"},
+                     "fp8_flashinfer": {"status": "absent"}}
+    write = bench.Result.for_shape(bench.Shape("write", 3, 16, 0, 128, 32, 8, 16))
+    write.record(bench.Timing.of([3.0]), copy.gbps)
+    write.note = "L2"
+    return [bench.dataclasses.asdict(r) for r in (copy, launch, decode, skipped, write)]
+
+
+DEVICE = {"name": "Test GPU", "driver": "580.1", "cuda_driver_api": "13.0", "commit": "abc1234",
+          "date": "2026-01-01T00:00:00+00:00", "timing_gate": True}
+
+
+def test_report_has_the_table_ceiling_floor_and_context():
+    report = bench.format_report(fake_rows(), DEVICE, bench.Config())
+    lines = report.splitlines()
+    assert lines[0].split() == ["op", "bits", "shape", "D", "us", "GB/s", "%", "ceil", "floor",
+                                "us", "bf16", "us", "fp8", "us", "note"]
+    decode = next(line for line in lines if "1x32768" in line).split()
+    assert decode[:5] == ["decode", "3", "1x32768", "128", "14.50"]
+    assert decode[-2:] == ["50.00", "absent"]
+    assert any(line.split()[:3] == ["write", "3", "16"] and line.endswith("L2") for line in lines)
+    assert "decode 32x32768 D128 4b: skipped: needs 200.0 GiB, 100.0 GiB free" in lines
+    assert "decode 32x32768 D128 bf16_sdpa: skipped: needs 24.0 GiB, 1.0 GiB free" in lines
+    assert any(line.startswith("copy bandwidth (read+write): 4295 GB/s") for line in lines)
+    assert "launch floor: 2.50 us (1-byte memset graph)" in lines
+    assert lines[-1] == ("commit abc1234 | Test GPU | driver 580.1 (CUDA 13.0) | "
+                         "2026-01-01T00:00:00+00:00")
+    assert not any("timing gate" in line for line in lines)
+
+
+def test_table_columns_align():
+    table = bench.format_table([("a", "1.5"), ("bbb", "10.25")], ("name", "us"))
+    assert table.splitlines() == ["name     us", "----  -----", "a       1.5", "bbb   10.25"]
+
+
+def test_json_schema(tmp_path):
+    rows = fake_rows()
+    config = bench.Config(shapes=((1, 32768),), bits=(3,))
+    bench.write_json(tmp_path / "out.json", rows, DEVICE, config)
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert set(document) == {"schema", "device", "config", "rows"}
+    assert document["schema"] == "fp8kturbov-bench/1" and document["device"] == DEVICE
+    assert document["config"]["shapes"] == [[1, 32768]] and document["config"]["bits"] == [3]
+    assert [row["op"] for row in document["rows"]] == ["copy", "launch", "decode", "decode", "write"]
+    keys = {f.name for f in bench.dataclasses.fields(bench.Result)}
+    assert all(set(row) == keys for row in document["rows"])
+    peer = document["rows"][2]["peers"]["bf16_sdpa"]
+    assert set(peer) == {"status", "bytes", "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}
+    assert document["rows"][3]["median_us"] is None
+
+
+def test_plot(tmp_path, monkeypatch):
+    path = tmp_path / "roofline.png"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bench.write_plot(path, fake_rows()) == "matplotlib is not importable"
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    assert bench.write_plot(path, fake_rows()) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_without_tqdm_counts_on_stderr(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert list(bench.progress(["a", "b"], str.upper)) == ["a", "b"]
+    assert capsys.readouterr().err.splitlines() == ["[1/2] A", "[2/2] B"]
+    assert list(bench.progress(["a"], str.upper, enabled=False)) == ["a"]
+    assert capsys.readouterr().err == ""
+
+
+# ---- Command line ----------------------------------------------------------------------------------
+
+
+def test_cli_options_become_a_config():
+    args = build_parser().parse_args(
+        ["bench", "--op", "decode", "--shapes", "1x32768,8x8k", "--bits", "3", "--head-dim",
+         "128,256", "--q-heads", "16", "--kv-heads", "4", "--block-size", "32", "--iters", "50",
+         "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--no-peers",
+         "--json", "out.json", "--plot", "out.png"])
+    assert config_from_args(args) == bench.Config(
+        ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
+        num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
+        sparse_v_threshold=0.0, peers=False)
+    assert (args.json, args.plot) == ("out.json", "out.png")
+    assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--shapes", "8x"], "argument --shapes"),
+    (["bench", "--bits", "3,x"], "argument --bits"),
+    (["bench", "--op", "prefill"], "argument --op"),
+    ([], "required: COMMAND"),
+])
+def test_cli_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_reports_an_invalid_config_in_one_line(capsys):
+    assert main(["bench", "--q-heads", "30"]) == 2
+    assert capsys.readouterr().err == (
+        "python -m fp8kturbov bench: error: num_q_heads = 30 is not a multiple of num_kv_heads = 8\n")
+
+
+def test_cli_without_a_gpu_is_one_line(monkeypatch, capsys):
+    def no_gpu():
+        raise bench.BenchError("no usable CUDA GPU: cuInit failed: CUDA_ERROR_NO_DEVICE")
+
+    monkeypatch.setattr(bench, "Device", no_gpu)
+    assert main(["bench", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("python -m fp8kturbov bench: error: no usable CUDA GPU: cuInit failed: "
+                            "CUDA_ERROR_NO_DEVICE\n")
+
+
+def _run_module(*args: str) -> subprocess.CompletedProcess:
+    package_root = str(Path(fp8kturbov.__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "fp8kturbov", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+
+
+def test_module_help():
+    done = _run_module("bench", "--help")
+    assert done.returncode == 0 and "--sparse-v-threshold" in done.stdout
+
+
+def test_module_without_a_gpu_fails_in_one_line():
+    from conftest import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is present")
+    done = _run_module("bench", "--no-progress")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("python -m fp8kturbov bench: error: no usable CUDA GPU")
+    assert len(done.stderr.splitlines()) == 1
+
+
+# ---- On a GPU --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_one_tiny_shape(tmp_path):
+    config = bench.Config(shapes=((2, 300),), tokens=(16,), bits=(3,), iters=5, warmup=2, sets=2,
+                          copy_bytes=256 << 20)
+    with bench.Device() as dev:
+        device = bench.describe_device(dev)
+        rows = bench.run_benchmarks(config, device=dev, show_progress=False)
+    assert [row["op"] for row in rows] == ["copy", "launch", "decode", "write"]
+    assert [row["samples"] for row in rows] == [bench.COPY_ITERS, 5, 5, 5]
+    assert all(row["median_us"] > 0 and row["gbps"] > 0 for row in rows)
+    assert rows[2]["bytes"] == bench.launch_bytes(bench.build_cases(config)[0])
+    assert set(rows[2]["peers"]) == set(bench.PEERS)
+    for peer in rows[2]["peers"].values():
+        assert peer["status"] == "absent" or peer["status"] == "ok", peer["status"]
+    assert device["l2_bytes"] > 0 and device["name"]
+    report = bench.format_report(rows, device, config)
+    assert "copy bandwidth (read+write)" in report and "launch floor" in report
+    bench.write_json(tmp_path / "bench.json", rows, device, config)
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][2]["op"] == "decode"
