@@ -77,8 +77,10 @@ def assert_pools_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
-@pytest.mark.parametrize("entry", ["fixed", "generic"])
-def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entry):
+@pytest.mark.parametrize("entry, row_pad", [("fixed", (32, 16)), ("generic", (32, 16)),
+                                            ("generic", (3, 1))],
+                         ids=["fixed", "generic", "odd_row_strides"])
+def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entry, row_pad):
     num_kv_heads, block_size, num_blocks, num_tokens = 2, 16, 12, 150
     n = num_kv_heads * head_dim
     layout = fp8kturbov.CacheLayout(num_blocks, block_size, num_kv_heads, head_dim, bits)
@@ -86,7 +88,8 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
     k_stride = layout.k_block_stride_bytes + 48
     v_data = layout.v_data_section_bytes + 8
     v_stride = v_data + ref.v_scale_section_bytes(block_size, num_kv_heads, head_dim) + 24
-    key_stride, value_stride = n + 32, n + 16
+    # Row strides in elements: multiples of 8 take the 16-byte load path, odd ones the other.
+    key_stride, value_stride = n + row_pad[0], n + row_pad[1]
     key = random_rows(rng, num_tokens, key_stride, n, hostile=True)
     value = random_rows(rng, num_tokens, value_stride, n, hostile=True)
     slots = random_slots(rng, num_tokens, num_blocks * block_size)

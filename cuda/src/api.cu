@@ -148,6 +148,8 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                        p.block_size,
                        p.key_stride,
                        p.value_stride,
+                       is_aligned16(p.key) && p.key_stride % 8 == 0,
+                       is_aligned16(p.value) && p.value_stride % 8 == 0,
                        1.0f / p.k_scale,
                        p.k_block_stride_bytes,
                        p.v_block_stride_bytes,
@@ -247,7 +249,8 @@ DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
   const uint64_t span = p.sliding_window > 0 && p.sliding_window < table_positions
                             ? p.sliding_window
                             : table_positions;
-  const uint64_t tiles = (span + kDecodeTileTokens - 1) / kDecodeTileTokens;
+  // Tiles sit on multiples of 16 positions: an unaligned window start adds at most one tile.
+  const uint64_t tiles = (span + 2 * kDecodeTileTokens - 2) / kDecodeTileTokens;
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
   const uint64_t target_ctas = uint64_t(multiprocessors) * kDecodeCtasPerSm;
   uint64_t splits = base_ctas < target_ctas ? (target_ctas + base_ctas - 1) / base_ctas : 1;

@@ -24,6 +24,8 @@ struct WriteArgs {
   uint32_t block_size;
   uint64_t key_stride;
   uint64_t value_stride;
+  bool key_vector_loads;    // key and key_stride allow 16-byte loads
+  bool value_vector_loads;  // likewise for value
   float k_inv_scale;  // 1.0f / k_scale, computed once (FORMAT §2)
   uint64_t k_block_stride_bytes;
   uint64_t v_block_stride_bytes;
@@ -79,10 +81,11 @@ inline uint64_t decode_workspace_bytes(const DecodePlan& plan, uint32_t num_seqs
   return uint64_t(num_seqs) * num_q_heads * plan.num_splits * (head_dim + 2) * sizeof(float);
 }
 
-// Alignment (bytes) the decode kernel's V code loads need from the V pool and its page stride.
+// Alignment (bytes) the decode kernel's V code loads need from the V pool and its page stride:
+// 8 where a thread's code chunk is a multiple of 8 bytes, else 4 (packed pages always are).
 constexpr uint32_t decode_v_alignment(uint32_t bits, uint32_t head_dim) {
-  const uint32_t bytes = (head_dim < 128 ? head_dim : 128) / 8 * bits / 8;
-  return bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : bytes % 2 == 0 ? 2 : 1;
+  const uint32_t chunk_bytes = (head_dim < 128 ? head_dim : 128) / 8 * bits / 8;
+  return chunk_bytes % 8 == 0 ? 8 : 4;
 }
 
 template <int BITS, int HEAD_DIM>

@@ -60,34 +60,43 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2_bits(uint32_t two_bytes) {
 
 // ---- Loads -------------------------------------------------------------------------------------
 
-// Loads BYTES bytes from `src` (aligned to the largest power of two dividing BYTES, at most 8)
-// into little-endian 32-bit words.
+// Loads the BYTES code bytes at `src` into little-endian 32-bit words w[0..]. Chunks whose size is
+// a multiple of 4 are naturally aligned and loaded as they are; others (6 bytes for 3-bit codes
+// at head_dim 128, ...) are read as the aligned words that cover them and shifted into place, which
+// never reads past the 4-aligned end of the V row that holds them.
 template <int BYTES>
-__device__ __forceinline__ void load_code_bytes(const uint8_t* src, uint32_t (&w)[(BYTES + 3) / 4 + 1]) {
-  constexpr int kAlign = (BYTES % 8 == 0) ? 8 : (BYTES % 4 == 0) ? 4 : (BYTES % 2 == 0) ? 2 : 1;
+struct CodeChunk {
+  static constexpr int kNaturalAlign = BYTES % 8 == 0 ? 8 : BYTES % 4 == 0 ? 4 : BYTES % 2 == 0 ? 2 : 1;
+  static constexpr int kMaxMisalign = kNaturalAlign >= 4 ? 0 : 4 - kNaturalAlign;
+  static constexpr int kLoadWords = (BYTES + kMaxMisalign + 3) / 4;
+  static constexpr int kWords = (BYTES + 3) / 4 + 1;  // one spare zero word for code_at's funnel shift
+};
+
+template <int BYTES>
+__device__ __forceinline__ void load_code_bytes(const uint8_t* src, uint32_t (&w)[CodeChunk<BYTES>::kWords]) {
+  using C = CodeChunk<BYTES>;
 #pragma unroll
-  for (int i = 0; i < (BYTES + 3) / 4 + 1; ++i) w[i] = 0;
+  for (int i = 0; i < C::kWords; ++i) w[i] = 0;
+  if constexpr (C::kNaturalAlign == 8) {
 #pragma unroll
-  for (int off = 0; off < BYTES; off += kAlign) {
-    uint32_t lo = 0, hi = 0;
-    if constexpr (kAlign == 8) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(src + off));
-      lo = v.x;
-      hi = v.y;
-    } else if constexpr (kAlign == 4) {
-      lo = __ldg(reinterpret_cast<const uint32_t*>(src + off));
-    } else if constexpr (kAlign == 2) {
-      lo = __ldg(reinterpret_cast<const uint16_t*>(src + off));
-    } else {
-      lo = __ldg(src + off);
+    for (int i = 0; i < BYTES / 8; ++i) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(src) + i);
+      w[2 * i] = v.x;
+      w[2 * i + 1] = v.y;
     }
-    // Place at bit 8*off; kAlign == 8 fills two whole words.
-    if constexpr (kAlign == 8) {
-      w[off / 4] = lo;
-      w[off / 4 + 1] = hi;
-    } else {
-      w[off / 4] |= lo << (8 * (off % 4));
-    }
+  } else if constexpr (C::kNaturalAlign == 4) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 4; ++i) w[i] = __ldg(reinterpret_cast<const uint32_t*>(src) + i);
+  } else {
+    const uintptr_t address = reinterpret_cast<uintptr_t>(src);
+    const uint32_t* aligned = reinterpret_cast<const uint32_t*>(address & ~uintptr_t(3));
+    const uint32_t shift = uint32_t(address & 3) * 8;
+    uint32_t raw[C::kLoadWords + 1];
+#pragma unroll
+    for (int i = 0; i < C::kLoadWords; ++i) raw[i] = __ldg(aligned + i);
+    raw[C::kLoadWords] = 0;
+#pragma unroll
+    for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], shift);
   }
 }
 
@@ -119,7 +128,6 @@ struct DecodeShape {
   static constexpr int kThreadDims = kSliceDim / 8;                      // V d-values per thread
   static constexpr int kMTiles = kSliceDim / 16;                         // mma m-tiles of P·V
   static constexpr int kCodeBytes = kThreadDims * BITS / 8;              // per token per thread
-  static constexpr int kCodeWords = (kCodeBytes + 3) / 4 + 1;
   static constexpr int kScalesPerThread = kThreadDims >= 16 ? kThreadDims / 16 : 1;
   static_assert(kSliceDim % 64 == 0, "head_dim must be 64, 128, 256 or 512");
 };
@@ -127,8 +135,9 @@ struct DecodeShape {
 // Page ids of the rows a thread loads in a tile (fetched one tile ahead of the data, so that the
 // block-table latency never stalls the data loads); -1 marks rows outside the range.
 struct TilePages {
-  int32_t k[2];  // tokens g, g+8
-  int32_t v[4];  // tokens 2t, 2t+1, 2t+8, 2t+9
+  int32_t k[2];      // tokens g, g+8
+  int32_t v[4];      // tokens 2t, 2t+1, 2t+8, 2t+9
+  uint32_t offset0;  // page offset of the tile's first position (tiles within one page)
 };
 
 // Per-tile register data of one thread: its K bytes, V codes and V scales.
@@ -136,12 +145,12 @@ template <int BITS, int HEAD_DIM>
 struct TileRegs {
   using S = DecodeShape<BITS, HEAD_DIM>;
   uint4 k[2][S::kKChunks];                       // rows g and g+8
-  uint32_t codes[4][S::kCodeWords];              // tokens 2t, 2t+1, 2t+8, 2t+9
+  uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];  // tokens 2t, 2t+1, 2t+8, 2t+9
   uint32_t scales[4];                            // scale bytes of those tokens (packed)
 };
 
 template <int BITS, int HEAD_DIM>
-__global__ void __launch_bounds__(kDecodeThreads)
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     paged_decode_kernel(const DecodeArgs a, const DecodePlan plan) {
   using S = DecodeShape<BITS, HEAD_DIM>;
   __shared__ __align__(16) __half q_s[kHeadsPerCta][HEAD_DIM + 4];  // +4: no bank conflicts
@@ -176,10 +185,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int start = (a.sliding_window > 0 && seq_len > int(a.sliding_window))
                         ? seq_len - int(a.sliding_window)
                         : 0;
-  const int64_t split_begin = start + int64_t(split) * plan.split_tokens;
-  const int range_begin = int(split_begin < seq_len ? split_begin : seq_len);
+  // Tiles sit on absolute multiples of 16 positions (so that with block_size % 16 == 0 a tile lies
+  // in one page); rows outside [range_begin, range_end) are masked.
+  const int64_t split_begin = (start & ~(kTileTokens - 1)) + int64_t(split) * plan.split_tokens;
   const int64_t split_end = split_begin + plan.split_tokens;
+  const int range_begin = int(split_begin > start ? split_begin : start);
   const int range_end = int(split_end < seq_len ? split_end : seq_len);
+  const bool tile_in_one_page = a.block_size % kTileTokens == 0;
 
   // Query chunk to fp16, scaled by a power of two so that its largest magnitude fits fp16's
   // range; the factor is undone in the score scale (exact).
@@ -221,23 +233,36 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int k_row_token[2] = {g, g + 8};
   const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
 
+  auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
+  // One table read per tile when a tile lies in one page, else one per row.
   auto fetch_pages = [&](int tile_begin, TilePages& pages) {
+    uint32_t block, offset;
+    split_position(a, uint32_t(tile_begin), block, offset);
+    pages.offset0 = offset;
+    const int32_t tile_page = tile_in_one_page && tile_begin < range_end ? __ldg(table + block) : -1;
     auto page_of = [&](int pos) {
-      uint32_t block, offset;
-      split_position(a, uint32_t(pos), block, offset);
-      return pos < range_end ? __ldg(table + block) : -1;
+      if (!in_range(pos)) return -1;
+      if (tile_in_one_page) return tile_page;
+      uint32_t row_block, row_offset;
+      split_position(a, uint32_t(pos), row_block, row_offset);
+      return __ldg(table + row_block);
     };
 #pragma unroll
     for (int r = 0; r < 2; ++r) pages.k[r] = page_of(tile_begin + k_row_token[r]);
 #pragma unroll
     for (int r = 0; r < 4; ++r) pages.v[r] = page_of(tile_begin + v_row_token[r]);
   };
+  auto page_offset = [&](int tile_begin, const TilePages& pages, int row_token) {
+    if (tile_in_one_page) return pages.offset0 + row_token;
+    uint32_t block, offset;
+    split_position(a, uint32_t(tile_begin + row_token), block, offset);
+    return offset;
+  };
 
   auto load_tile = [&](int tile_begin, const TilePages& pages, TileRegs<BITS, HEAD_DIM>& r) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      uint32_t block, offset;
-      split_position(a, uint32_t(tile_begin + k_row_token[half]), block, offset);
+      const uint32_t offset = page_offset(tile_begin, pages, k_row_token[half]);
       const bool valid = pages.k[half] >= 0;
       const uint8_t* row = a.k_cache + uint64_t(valid ? pages.k[half] : 0) * a.k_block_stride_bytes +
                            uint64_t(offset) * row_elems + k_col;
@@ -247,8 +272,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      uint32_t block, offset;
-      split_position(a, uint32_t(tile_begin + v_row_token[j]), block, offset);
+      const uint32_t offset = page_offset(tile_begin, pages, v_row_token[j]);
       if (pages.v[j] >= 0) {
         const uint8_t* page = a.v_cache + uint64_t(pages.v[j]) * a.v_block_stride_bytes;
         load_code_bytes<S::kCodeBytes>(page + offset * v_layout.row_data_bytes + v_code_col, r.codes[j]);
@@ -259,7 +283,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         r.scales[j] = packed;
       } else {
 #pragma unroll
-        for (int w = 0; w < S::kCodeWords; ++w) r.codes[j][w] = 0;
+        for (int w = 0; w < CodeChunk<S::kCodeBytes>::kWords; ++w) r.codes[j][w] = 0;
         r.scales[j] = 0;  // scale 0: the row contributes exact zeros
       }
     }
@@ -272,7 +296,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
   for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  const int first_tile = range_begin + stream * kTileTokens;
+  const int first_tile = int(split_begin) + stream * kTileTokens;
   const int tile_step = S::kStreams * kTileTokens;
   // Software pipeline: pages two tiles ahead, data one tile ahead of the compute.
   TilePages pages_next, pages_after;
@@ -311,7 +335,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
 
     // Online softmax per head column; masked tokens get weight 0.
-    const bool row_valid[2] = {tile + g < range_end, tile + g + 8 < range_end};
+    const bool row_valid[2] = {in_range(tile + g), in_range(tile + g + 8)};
     float p[4];
     float alpha[2];
     bool all_small = true;

@@ -6,9 +6,23 @@
 
 namespace fp8kturbov {
 
-__device__ __forceinline__ void load_bf16_group(const uint16_t* src, float (&x)[kGroupElems]) {
+// 16 bf16 values as floats: two 16-byte loads when the rows allow it (the usual case), else
+// element by element (any element stride).
+__device__ __forceinline__ void load_bf16_group(const uint16_t* src, bool vector_loads,
+                                                float (&x)[kGroupElems]) {
+  if (vector_loads) {
+    const uint4 halves[2] = {__ldg(reinterpret_cast<const uint4*>(src)),
+                             __ldg(reinterpret_cast<const uint4*>(src) + 1)};
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(halves);
 #pragma unroll
-  for (int i = 0; i < kGroupElems; ++i) x[i] = __bfloat162float(__ushort_as_bfloat16(src[i]));
+    for (int i = 0; i < kGroupElems / 2; ++i) {
+      x[2 * i] = __uint_as_float(words[i] << 16);
+      x[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kGroupElems; ++i) x[i] = __bfloat162float(__ushort_as_bfloat16(__ldg(src + i)));
+  }
 }
 
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
@@ -27,7 +41,7 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   float x[kGroupElems];
 
   // K (FORMAT §2): byte = E4M3_rn_satfinite(k * inv), 16 bytes written as one aligned store.
-  load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, x);
+  load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_loads, x);
   alignas(16) uint8_t k_bytes[kGroupElems];
 #pragma unroll
   for (int i = 0; i < kGroupElems; ++i) k_bytes[i] = e4m3_encode(__fmul_rn(x[i], a.k_inv_scale));
@@ -36,7 +50,7 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section.
-  load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, x);
+  load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_loads, x);
   const EncodedGroup<BITS> enc = encode_v_group<BITS>(x);
   uint8_t packed[2 * BITS];
   pack_group<BITS>(enc.codes, packed);

@@ -10,6 +10,8 @@ What is measured
   counting the bytes read plus the bytes written; the median of 30 event-timed copies after 3
   warm-up copies. It is the ceiling that every "% of ceiling" and every floor refers to: what a
   plain streaming copy reaches on this device, somewhat below the datasheet's HBM bandwidth.
+  Traffic that only reads can pass it by some percent (on an H200: copy about 4250 GB/s, torch
+  SDPA's long BF16 decode about 4600 GB/s), so a floor is a target, not a bound.
 * **launch floor**: a CUDA graph holding one 1-byte ``cuMemsetD8Async``, timed exactly like the
   kernels: the smallest time this method reports for any launch.
 * **decode / write**: one library launch per CUDA graph (one graph per input set), replayed.
@@ -23,8 +25,9 @@ Sample ``i`` is: an event, the launch for input set ``i mod sets``, an event, al
 the reported time is the median over samples. The samples are queued behind a gate (the stream
 waits with ``cuStreamWaitValue32`` on a device word that a second stream writes once a chunk of
 samples is queued), so the GPU runs them back to back and the host's cost of launching is not
-timed. Where the driver refuses stream memory operations the gate is off (``timing_gate`` in the
-device dict) and short launches then include some host time. Input sets rotate so that
+timed (on an H200 the launch floor reads 2.4 µs so, 4.3 µs without the gate). Where the driver
+refuses stream memory operations the gate is off (``timing_gate`` in the device dict) and short
+launches then include some host time. Input sets rotate so that
 consecutive launches read different memory; a row whose sets together fit in L2 is marked
 "L2" and its bandwidth may exceed the ceiling (the H200's L2 holds 60 MB: the short shapes fit).
 
@@ -54,7 +57,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import CacheLayout, paged_decode_attn, reshape_and_cache, version
+from . import (CacheLayout, paged_decode_attn, paged_decode_workspace_bytes, reshape_and_cache,
+               version)
 
 try:
     from cuda.bindings import driver as cu
@@ -616,6 +620,8 @@ class DecodeBuffers:
     output: int
     block_tables: int
     seq_lens: int
+    workspace: int
+    workspace_bytes: int
 
 
 @dataclass(frozen=True)
@@ -636,16 +642,23 @@ def _page_strides(layout: CacheLayout) -> dict[str, int]:
             "v_data_section_bytes": layout.v_data_section_bytes}
 
 
-def launch_decode(shape: Shape, layout: CacheLayout, k_scale: float, buffers: DecodeBuffers,
-                  sparse_v_threshold: float, stream: Any) -> None:
-    """The benchmark's one call of the library's decode (a split-K workspace goes here)."""
+def decode_scalars(shape: Shape, layout: CacheLayout, k_scale: float,
+                   sparse_v_threshold: float) -> dict[str, Any]:
+    """The decode's scalar arguments for ``shape`` (shared by the launch and the workspace query)."""
+    return dict(max_blocks_per_seq=shape.blocks_per_seq, num_seqs=shape.batch,
+                num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim, block_size=shape.block_size,
+                inv_sqrt_d=shape.head_dim ** -0.5, k_scale=k_scale,
+                q_stride=shape.num_q_heads * shape.head_dim, v_bits=shape.bits,
+                sparse_v_threshold=sparse_v_threshold, **_page_strides(layout))
+
+
+def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) -> None:
+    """The benchmark's one call of the library's decode, with its split-K workspace."""
     paged_decode_attn(
         buffers.q, buffers.k_cache, buffers.v_cache, buffers.output, buffers.block_tables,
-        buffers.seq_lens, max_blocks_per_seq=shape.blocks_per_seq, num_seqs=shape.batch,
-        num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-        block_size=shape.block_size, inv_sqrt_d=shape.head_dim ** -0.5, k_scale=k_scale,
-        q_stride=shape.num_q_heads * shape.head_dim, v_bits=shape.bits,
-        sparse_v_threshold=sparse_v_threshold, stream=stream, **_page_strides(layout))
+        buffers.seq_lens, workspace=buffers.workspace, workspace_bytes=buffers.workspace_bytes,
+        stream=stream, **scalars)
 
 
 def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: WriteBuffers,
@@ -663,6 +676,8 @@ def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
     """One decode launch per input set: pools filled with ``chunk``, each sequence on its own
     pages in a random order, every sequence ``context`` tokens long, random bf16 q."""
     layout = _layout(shape)
+    scalars = decode_scalars(shape, layout, chunk.k_scale, config.sparse_v_threshold)
+    workspace_bytes = paged_decode_workspace_bytes(**scalars)
     enqueues = []
     for _ in range(config.sets):
         q = rng.standard_normal(shape.q_elems, dtype=np.float32)
@@ -670,11 +685,12 @@ def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
             q=dev.upload(bf16_bits(q)), k_cache=dev.alloc(layout.k_pool_bytes),
             v_cache=dev.alloc(layout.v_pool_bytes), output=dev.alloc(shape.q_elems * BF16_BYTES),
             block_tables=dev.upload(rng.permutation(layout.num_blocks).astype(np.int32)),
-            seq_lens=dev.upload(np.full(shape.batch, shape.context, np.int32)))
+            seq_lens=dev.upload(np.full(shape.batch, shape.context, np.int32)),
+            workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
+            workspace_bytes=workspace_bytes)
         replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
         replicate(dev, buffers.v_cache, layout.v_pool_bytes, chunk.v_pages)
-        enqueues.append(functools.partial(launch_decode, shape, layout, chunk.k_scale, buffers,
-                                          config.sparse_v_threshold, dev.stream))
+        enqueues.append(functools.partial(launch_decode, scalars, buffers, dev.stream))
     return enqueues
 
 
@@ -1096,9 +1112,10 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
 
 
 def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
-    """A roofline-style PNG: bytes per launch (log x) against achieved GB/s (log y), one series
-    per op/bits/head_dim, peers as separate markers, the ceiling as a horizontal line and the
-    ceiling-plus-launch-floor curve. Returns None when written, else why it was not."""
+    """A roofline-style PNG: bytes per launch (log x) against achieved GB/s (log y), one marker
+    series per op/bits/head_dim with each point named by its shape, peers as separate markers,
+    the ceiling as a horizontal line and the ceiling-plus-launch-floor curve. Returns None when
+    written, else why it was not."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1115,8 +1132,10 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
     for row in cases:
         series.setdefault(f"{row['op']} {row['bits']}b D{row['head_dim']}", []).append(row)
     for label, members in series.items():
-        members.sort(key=lambda r: r["bytes"])
-        axes.plot([r["bytes"] for r in members], [r["gbps"] for r in members], "o-", label=label)
+        axes.plot([r["bytes"] for r in members], [r["gbps"] for r in members], "o", label=label)
+        for r in members:  # shapes of equal bytes differ in speed: name each point
+            axes.annotate(r["shape"], (r["bytes"], r["gbps"]), fontsize=6, xytext=(3, 3),
+                          textcoords="offset points")
     plotted = list(cases)
     for name, marker in zip(PEERS, ("x", "^")):
         peers = [row["peers"][name] for row in cases
