@@ -1,4 +1,4 @@
-"""CPU tests of the NumPy reference ``fp8kturbov.reference`` against FORMAT.md (/work/shared/FORMAT.md).
+"""CPU tests of the NumPy reference ``fp8kturbov.reference`` against the format specification (docs/format.md).
 
 Expected values come from FORMAT.md's written examples, from independent models written here (a bit-level
 E4M3 rounder, a whole-group bit-stream packer, a scalar §3.2 encoder, addresses spelled out from §2-§4, a

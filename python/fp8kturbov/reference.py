@@ -1,7 +1,7 @@
 """Bit-exact NumPy reference of the fp8k_turbo{2,3,4}v paged KV-cache format.
 
-Every rule here is a transcription of ``/work/shared/FORMAT.md`` (the contract); each function names the
-section it implements. The code is written to be read: all encoder arithmetic is done in float32 with
+Every rule here is a transcription of ``docs/format.md`` (the contract shared with the original
+engine); each function names the section it implements. The code is written to be read: all encoder arithmetic is done in float32 with
 separate numpy operations (no fused multiply-add) and with the sums taken sequentially over the 16
 elements of a group, exactly as FORMAT.md §3.2 prescribes; attention (§5) is done in float64.
 
