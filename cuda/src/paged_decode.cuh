@@ -302,13 +302,18 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   TilePages pages_next, pages_after;
   TileRegs<BITS, HEAD_DIM> cur;
   fetch_pages(first_tile, pages_next);
-  if (first_tile < range_end) load_tile(first_tile, pages_next, cur);
+  load_tile(first_tile, pages_next, cur);  // rows out of range load as zeros
   fetch_pages(first_tile + tile_step, pages_next);
   int parity = 0;
-  for (int tile = first_tile; tile < range_end; tile += tile_step, parity ^= 1) {
+  // With d-slices, every warp runs the same number of iterations (a stream's last one may be
+  // fully masked) so that the score exchange can use a CTA-wide barrier.
+  const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
+                                                               tile_step * tile_step
+                                      : range_end;
+  for (int tile = first_tile; tile < loop_end; tile += tile_step, parity ^= 1) {
     fetch_pages(tile + 2 * tile_step, pages_after);
     TileRegs<BITS, HEAD_DIM> next;
-    if (tile + tile_step < range_end) load_tile(tile + tile_step, pages_next, next);
+    load_tile(tile + tile_step, pages_next, next);
     pages_next = pages_after;
 
     // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
@@ -324,7 +329,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
       score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
-      asm volatile("bar.sync %0, %1;" ::"r"(1 + stream), "r"(32 * S::kSlices));
+      __syncthreads();
       float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
       for (int w = 0; w < S::kSlices; ++w) {
