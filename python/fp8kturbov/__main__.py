@@ -1,7 +1,12 @@
 """Command line: ``python -m fp8kturbov COMMAND [options]``.
 
-Commands: ``bench`` (decode and write against the memory roofline; see `fp8kturbov.bench`).
-Each command is a subparser with a ``handler(args) -> exit status``; add one in `build_parser`.
+Commands: ``bench`` (decode and write against the memory roofline; see `fp8kturbov.bench`),
+``info`` (library, architectures, driver and GPUs; see `fp8kturbov.info`), ``demo`` (write and
+decode a ragged batch, checked against the NumPy reference; see `fp8kturbov.demo`). Top-level
+flags for build systems: ``--include-dir`` (the folder holding ``fp8kturbov.h``) and
+``--library`` (the path of ``libfp8kturbov.so``). This module holds the parser and the handlers
+only. Each command is a subparser with a ``handler(args) -> exit status``; add one in
+`build_parser`.
 """
 
 from __future__ import annotations
@@ -10,8 +15,8 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import Fp8kturbovError, bench
-from .bench import first_line
+from . import Fp8kturbovError, bench, demo, info, library_path
+from ._device import first_line
 
 PROG = "python -m fp8kturbov"
 
@@ -33,6 +38,18 @@ def _shapes_text(shapes: Sequence[tuple[int, int]]) -> str:
     return ",".join(f"{batch}x{context}" for batch, context in shapes)
 
 
+def add_head_arguments(parser: argparse.ArgumentParser, num_q_heads: int, num_kv_heads: int,
+                       block_size: int) -> None:
+    """``--q-heads``, ``--kv-heads`` and ``--block-size`` (tokens per page), with these defaults."""
+    count = _typed(bench.parse_count)
+    parser.add_argument("--q-heads", type=count, metavar="N", default=num_q_heads,
+                        help=f"query heads (default: {num_q_heads})")
+    parser.add_argument("--kv-heads", type=count, metavar="N", default=num_kv_heads,
+                        help=f"KV heads (default: {num_kv_heads})")
+    parser.add_argument("--block-size", type=count, metavar="N", default=block_size,
+                        help=f"tokens per page (default: {block_size})")
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench``; the defaults are `fp8kturbov.bench.Config`'s."""
     d = bench.Config()
@@ -50,12 +67,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"V code widths (default: {join(map(str, d.bits))})")
     parser.add_argument("--head-dim", type=counts, default=d.head_dims, metavar="D,...",
                         help=f"head dims (default: {join(map(str, d.head_dims))})")
-    parser.add_argument("--q-heads", type=count, metavar="N", default=d.num_q_heads,
-                        help=f"query heads (default: {d.num_q_heads})")
-    parser.add_argument("--kv-heads", type=count, metavar="N", default=d.num_kv_heads,
-                        help=f"KV heads (default: {d.num_kv_heads})")
-    parser.add_argument("--block-size", type=count, metavar="N", default=d.block_size,
-                        help=f"tokens per page (default: {d.block_size})")
+    add_head_arguments(parser, d.num_q_heads, d.num_kv_heads, d.block_size)
     parser.add_argument("--iters", type=count, metavar="N", default=d.iters,
                         help=f"timed samples per case; the median is reported (default: {d.iters})")
     parser.add_argument("--warmup", type=int, metavar="N", default=d.warmup,
@@ -83,11 +95,14 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         peers=not args.no_peers, seed=args.seed)
 
 
-def _error(message: str) -> None:
-    print(f"{PROG} bench: error: {message}", file=sys.stderr)
+def _error(message: str, command: str = "bench") -> None:
+    """``<prog> <command>: error: <message>`` on stderr."""
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """``bench``: run `fp8kturbov.bench.run_benchmarks` on GPU 0, print the report, write the
+    JSON and the plot where asked."""
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -116,9 +131,99 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_paths(args: argparse.Namespace) -> int:
+    """``--include-dir`` and/or ``--library``: one path per line, in that order."""
+    try:
+        lines = [str(info.include_dir())] if args.include_dir else []
+    except FileNotFoundError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    if args.library:
+        lines.append(str(library_path().resolve()))
+    print("\n".join(lines))
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """``info``: print `fp8kturbov.info.summary`."""
+    print("\n".join(info.summary()))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``demo``: build the case, run the NumPy reference and (on a GPU) the kernels, print the
+    comparison; exit status 1 where the kernels differ from the reference."""
+    try:
+        case = demo.build_demo_case(args)
+    except ImportError as exc:
+        _error(f"the demo needs ml-dtypes ({first_line(exc)}); pip install ml-dtypes", "demo")
+        return 1
+    except (ValueError, OSError) as exc:
+        _error(first_line(exc), "demo")
+        return 2
+    print(demo.describe_case(case, args), flush=True)
+    dev, why = (None, "--cpu") if args.cpu else demo.open_device()
+    if dev is None:
+        print(f"NumPy reference only ({why}): no kernel is run, checked or timed", flush=True)
+    tau = args.sparse_v_threshold
+    try:
+        pools = demo.reference_pools(case, not args.no_progress)
+        want = demo.reference_decode(case, *pools, tau)
+        lines, ok = ([], True) if dev is None else demo.gpu_report(
+            demo.run_kernels(dev, case, tau, args.iters), case, pools, want, args.iters)
+    except (bench.BenchError, Fp8kturbovError) as exc:
+        _error(first_line(exc), "demo")
+        return 1
+    except KeyboardInterrupt:
+        _error("interrupted", "demo")
+        return 130
+    finally:
+        if dev is not None:
+            dev.close()
+    error = demo.relative_error_per_head(want, demo.exact_attention(case))
+    lines.append(f"format error, reference decode (sparse V threshold {tau:g}) vs unquantised "
+                 f"float64 attention: relative error per head {demo.error_text(error)}")
+    if dev is not None:
+        lines.append("PASS: the kernels match the reference" if ok else
+                     "FAIL: the kernels differ from the reference")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``demo``."""
+    count = _typed(bench.parse_count)
+    parser.add_argument("--bits", type=int, choices=(2, 3, 4), default=3,
+                        help="V code width (default: 3)")
+    parser.add_argument("--head-dim", type=count, metavar="D", default=128,
+                        help="elements per head (default: 128)")
+    add_head_arguments(parser, 32, 8, 16)
+    parser.add_argument("--seq-lens", type=_typed(bench.parse_counts), metavar="L,...",
+                        help="tokens per sequence; a 'k' suffix means x1024 (default: "
+                        f"{','.join(map(str, demo.DEFAULT_SEQ_LENS))}; with --kv-file: its "
+                        "seq_lens or one sequence)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--kv-file", metavar="PATH.npz",
+                        help="take K and V from arrays k, v [num_tokens, kv_heads, head_dim] "
+                        "(sequences back to back; they set --kv-heads and --head-dim), and "
+                        "seq_lens and q [num_seqs, q_heads, head_dim] where present")
+    parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=1e-3,
+                        help="decode's sparse-V threshold, 0 = exact (default: 1e-3)")
+    parser.add_argument("--iters", type=count, metavar="N", default=20,
+                        help="timed runs per kernel; the median is reported (default: 20)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run the NumPy reference only, even where a GPU is usable")
+    parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; each subparser sets ``handler``."""
     parser = argparse.ArgumentParser(prog=PROG, description="fp8kturbov tools.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--include-dir", action="store_true",
+                        help="print the folder holding fp8kturbov.h (for -I) and exit")
+    parser.add_argument("--library", action="store_true",
+                        help="print the path of libfp8kturbov.so and exit")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench_parser = commands.add_parser(
         "bench", help="time decode and write against the memory roofline",
         description="Time the paged decode and the cache write with CUDA-graph replays, against "
@@ -126,11 +231,33 @@ def build_parser() -> argparse.ArgumentParser:
         "with a BF16 (torch SDPA) and an FP8 (flashinfer) decode peer where importable.")
     add_bench_arguments(bench_parser)
     bench_parser.set_defaults(handler=run_bench)
+    info_parser = commands.add_parser(
+        "info", help="library, CUDA architectures, driver and GPUs",
+        description="Print the library's version, ABI, path and header, the CUDA architectures "
+        "it holds code for (read from its fatbin headers), the driver's version and each GPU, "
+        "or one 'no GPU: <reason>' line.")
+    info_parser.set_defaults(handler=run_info)
+    demo_parser = commands.add_parser(
+        "demo", help="write and decode a ragged batch, checked against the NumPy reference",
+        description="Write a ragged batch of K/V into the cache and decode it with the library, "
+        "compare the pools byte for byte and the output with the float64 NumPy reference, "
+        "show the format's quantisation error against unquantised attention and time the "
+        "kernels. Without a GPU only the reference runs.")
+    add_demo_arguments(demo_parser)
+    demo_parser.set_defaults(handler=run_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run its command; the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.include_dir or args.library:
+        if args.command is not None:
+            parser.error("--include-dir and --library take no COMMAND")
+        return print_paths(args)
+    if args.command is None:
+        parser.error("the following arguments are required: COMMAND (or --include-dir, --library)")
     return args.handler(args)
 
 

@@ -2,7 +2,8 @@
 
 Run it as ``python -m fp8kturbov bench`` (``--help`` lists the options) or call `run_benchmarks`.
 Everything is measured in one process on one GPU, through cuda.bindings (driver API) alone; torch
-is imported only for the BF16 peer and flashinfer only for the FP8 peer.
+is imported only for the BF16 peer and flashinfer only for the FP8 peer. The driver calls and
+`Device` live in `fp8kturbov._device` (``bench.Device`` is that class).
 
 What is measured
 ----------------
@@ -40,7 +41,6 @@ Sizes are bytes unless named ``*_elems``; times are microseconds (µs); bandwidt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -59,11 +59,7 @@ import numpy as np
 
 from . import (CacheLayout, paged_decode_attn, paged_decode_workspace_bytes, reshape_and_cache,
                version)
-
-try:
-    from cuda.bindings import driver as cu
-except ImportError:  # Device() reports it as a one-line error; the GPU-free helpers still work
-    cu = None
+from ._device import BenchError, Device, cu, driver_call, first_line
 
 GiB = 1 << 30
 DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
@@ -80,10 +76,6 @@ GATE_CHUNK = 32
 #: Share of the free device memory a case (or a peer) may take; the rest is slack for the
 #: allocator's rounding and whatever torch keeps cached.
 MEMORY_HEADROOM = 0.9
-
-
-class BenchError(RuntimeError):
-    """A condition that ends the benchmark with a one-line message (no GPU, a CUDA failure, ...)."""
 
 
 class PeerUnavailable(Exception):
@@ -342,183 +334,7 @@ class Result:
         self.floor_us = floor_us(self.bytes, ceiling_gbps)
 
 
-# ---- Device access through cuda.bindings ---------------------------------------------------------
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
-
-
-def _cu(function: Callable[..., Any], *args: Any) -> Any:
-    """Call a cuda.bindings driver function; return its values, raise `BenchError` on failure."""
-    result = function(*args)
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise BenchError(f"{function.__name__} failed: {name.decode() if name else err}")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-class Device:
-    """GPU ``ordinal``'s primary context (made current on this thread), the stream every launch
-    goes to, and the memory, events and graphs made through it. Use as a context manager."""
-
-    def __init__(self, ordinal: int = 0) -> None:
-        if cu is None:
-            raise BenchError("cuda.bindings is not importable (pip install cuda-python)")
-        try:
-            (err,) = cu.cuInit(0)
-        except Exception as exc:  # cuda.bindings raises when libcuda itself cannot be loaded
-            raise BenchError(f"no usable CUDA GPU: {first_line(exc)}") from None
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise BenchError(f"no usable CUDA GPU: cuInit failed: {cu.cuGetErrorName(err)[1].decode()}")
-        count = _cu(cu.cuDeviceGetCount)
-        if not 0 <= ordinal < count:
-            raise BenchError(f"no CUDA device {ordinal} ({count} found)")
-        self.ordinal = ordinal
-        self.device = _cu(cu.cuDeviceGet, ordinal)
-        self.context = _cu(cu.cuDevicePrimaryCtxRetain, self.device)
-        _cu(cu.cuCtxSetCurrent, self.context)
-        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
-        self.stream = _cu(cu.cuStreamCreate, flags)
-        self._gate_stream = _cu(cu.cuStreamCreate, flags)
-        self._buffers: list[Any] = []
-        self._graphs: list[Any] = []
-        self._events: list[Any] = []
-        self._gate = self.alloc(4)
-        _cu(cu.cuMemsetD32, self._gate, 0, 1)
-        self._gate_value = 0
-        self._geq = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-        # A wait on a value already reached: succeeds at once where stream memory operations
-        # are supported, and tells us where they are not.
-        (err,) = cu.cuStreamWaitValue32(self.stream, self._gate, 0, self._geq)
-        self.gated = err == cu.CUresult.CUDA_SUCCESS
-        self.synchronize()
-
-    def __enter__(self) -> Device:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    # Queries
-    def attribute(self, name: str) -> int:
-        """``cuDeviceGetAttribute`` of ``CU_DEVICE_ATTRIBUTE_<name>``."""
-        return _cu(cu.cuDeviceGetAttribute, getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}"),
-                   self.device)
-
-    @property
-    def name(self) -> str:
-        return _cu(cu.cuDeviceGetName, 256, self.device).split(b"\0", 1)[0].decode()
-
-    def memory(self) -> tuple[int, int]:
-        """``(free, total)`` device memory, bytes."""
-        return _cu(cu.cuMemGetInfo)
-
-    # Memory
-    def alloc(self, nbytes: int) -> int:
-        """A new device buffer of ``nbytes`` bytes (freed by `scope` or `close`); its address."""
-        ptr = _cu(cu.cuMemAlloc, max(nbytes, 1))
-        self._buffers.append(ptr)
-        return int(ptr)
-
-    def upload(self, host: np.ndarray) -> int:
-        """A new device buffer holding ``host``'s bytes; its address."""
-        ptr = self.alloc(host.nbytes)
-        self.write(ptr, host)
-        return ptr
-
-    def write(self, address: int, host: np.ndarray) -> None:
-        """Copy ``host``'s bytes to ``address`` (synchronous)."""
-        host = np.ascontiguousarray(host)
-        _cu(cu.cuMemcpyHtoD, address, host.ctypes.data, host.nbytes)
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        _cu(cu.cuMemcpyDtoDAsync, dst, src, nbytes, self.stream)
-
-    def memset(self, address: int, value: int, nbytes: int) -> None:
-        _cu(cu.cuMemsetD8Async, address, value, nbytes, self.stream)
-
-    def synchronize(self) -> None:
-        _cu(cu.cuStreamSynchronize, self.stream)
-
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
-        """Free the buffers and graphs made inside the block when it ends."""
-        buffers, graphs = len(self._buffers), len(self._graphs)
-        try:
-            yield
-        finally:
-            self._release(buffers, graphs)
-
-    # Graphs and timing
-    def capture(self, enqueue: Callable[[], None]) -> Any:
-        """An executable CUDA graph of the work ``enqueue()`` puts on `stream`."""
-        _cu(cu.cuStreamBeginCapture, self.stream,
-            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        try:
-            enqueue()
-        except BaseException:
-            cu.cuStreamEndCapture(self.stream)  # leave the stream usable; the error is enqueue's
-            raise
-        graph = _cu(cu.cuStreamEndCapture, self.stream)
-        try:
-            executable = _cu(cu.cuGraphInstantiate, graph, 0)
-        finally:
-            cu.cuGraphDestroy(graph)  # the executable graph is a copy
-        self._graphs.append(executable)
-        return executable
-
-    def launch(self, graph: Any) -> None:
-        _cu(cu.cuGraphLaunch, graph, self.stream)
-
-    def events(self, count: int) -> list[Any]:
-        """``count`` timing events (reused across calls)."""
-        while len(self._events) < count:
-            self._events.append(_cu(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DEFAULT))
-        return self._events[:count]
-
-    def record(self, event: Any) -> None:
-        _cu(cu.cuEventRecord, event, self.stream)
-
-    def elapsed_us(self, start: Any, end: Any) -> float:
-        return 1e3 * _cu(cu.cuEventElapsedTime, start, end)
-
-    @contextlib.contextmanager
-    def gate(self) -> Iterator[None]:
-        """Hold `stream` while the block enqueues work, then let it all run back to back."""
-        if not self.gated:
-            yield
-            return
-        self._gate_value = (self._gate_value + 1) & 0xFFFFFFFF
-        _cu(cu.cuStreamWaitValue32, self.stream, self._gate, self._gate_value, self._geq)
-        try:
-            yield
-        finally:  # always open it: a stream left waiting would hang the next synchronize
-            _cu(cu.cuStreamWriteValue32, self._gate_stream, self._gate, self._gate_value, 0)
-
-    def _release(self, buffers: int, graphs: int) -> None:
-        # Cleanup ignores CUDA errors: it also runs while an earlier error propagates, which it
-        # must not replace.
-        cu.cuStreamSynchronize(self.stream)
-        for graph in self._graphs[graphs:]:
-            cu.cuGraphExecDestroy(graph)
-        for ptr in self._buffers[buffers:]:
-            cu.cuMemFree(ptr)
-        del self._graphs[graphs:], self._buffers[buffers:]
-
-    def close(self) -> None:
-        """Free everything made through this object and release the primary context."""
-        self._release(0, 0)
-        for event in self._events:
-            cu.cuEventDestroy(event)
-        self._events.clear()
-        for stream in (self.stream, self._gate_stream):
-            cu.cuStreamDestroy(stream)
-        cu.cuDevicePrimaryCtxRelease(self.device)
+# ---- Timing (the device access through cuda.bindings is `fp8kturbov._device`) --------------------
 
 
 def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: int,
@@ -973,7 +789,7 @@ def _command_output(*command: str) -> str | None:
 
 def describe_device(dev: Device) -> dict[str, Any]:
     """The run's context: GPU, driver, software versions, commit and date (schema: `write_json`)."""
-    cuda_version = _cu(cu.cuDriverGetVersion)
+    cuda_version = driver_call(cu.cuDriverGetVersion)
     return {
         "name": dev.name,
         "driver": _command_output("nvidia-smi", f"--id={dev.ordinal}", "--query-gpu=driver_version",

@@ -1,0 +1,310 @@
+"""What ``python -m fp8kturbov demo`` runs: a ragged batch written and decoded, checked against
+the NumPy reference.
+
+`build_demo_case` makes the batch (random K/V with outlier rows, or a ``--kv-file``'s arrays);
+`reference_pools` and `reference_decode` run the float64 NumPy reference; `run_kernels` runs and
+times the library's kernels on a `Device`; `gpu_report` compares the two and `exact_attention`
+gives the format's error against unquantised attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import CacheLayout, bench, paged_decode_workspace_bytes, planning
+from ._device import BenchError, Device, cu, driver_call, first_line
+
+DEFAULT_SEQ_LENS = (2048, 1500, 640, 37)
+#: Share of the random token rows scaled by OUTLIER_GAIN (in K and V, every KV head).
+OUTLIER_ROW_SHARE, OUTLIER_GAIN = 1 / 64, 10.0
+#: Largest relative error per (sequence, head) allowed between the decode kernel and the float64
+#: reference decode of the same cache (the bound of the GPU test suite).
+DECODE_REL_TOL = 1e-2
+DEMO_WARMUP = 3
+
+
+def _bf16() -> Any:
+    """``ml_dtypes.bfloat16``: imported on use, as the NumPy reference's own dependency."""
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+@dataclass(frozen=True)
+class DemoCase:
+    """One demo batch. Token arrays hold the sequences back to back; counts are tokens unless
+    named otherwise, pools are bytes."""
+
+    keys: np.ndarray  # bf16 [num_tokens, num_kv_heads, head_dim]
+    values: np.ndarray  # bf16, like keys
+    q: np.ndarray  # bf16 [num_seqs, num_q_heads, head_dim]
+    seq_lens: np.ndarray  # int32 [num_seqs]
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks_per_seq]: page ids, shuffled
+    layout: CacheLayout  # exactly the pages the sequences need
+    k_scale: float
+    k_pool_init: np.ndarray  # uint8 [k_pool_bytes]: random poison both pools start from
+    v_pool_init: np.ndarray  # uint8 [v_pool_bytes]
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Index of each sequence's first token row."""
+        return np.cumsum(self.seq_lens) - self.seq_lens
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        """int64 [num_tokens]: ``page · block_size + offset`` of every token row."""
+        size = self.layout.block_size
+        return np.concatenate([self.block_tables[s, t // size].astype(np.int64) * size + t % size
+                               for s, t in enumerate(map(np.arange, self.seq_lens))])
+
+    @property
+    def cache_bytes(self) -> int:
+        """Cache bytes of all token rows, K and V (one layer)."""
+        return len(self.keys) * self.layout.bytes_per_token
+
+    def shape(self, op: str) -> bench.Shape:
+        """The `bench.Shape` of the write (all token rows) or of the decode (longest sequence)."""
+        batch, context = ((len(self.keys), 0) if op == "write"
+                          else (len(self.seq_lens), int(self.seq_lens.max())))
+        return bench.Shape(op, self.layout.v_bits, batch, context, self.layout.head_dim,
+                           self.q.shape[1], self.layout.num_kv_heads, self.layout.block_size)
+
+    def decode_scalars(self, sparse_v_threshold: float) -> dict[str, Any]:
+        """The decode's scalar arguments (``inv_sqrt_d = head_dim ** -0.5``, dense q)."""
+        return bench.decode_scalars(self.shape("decode"), self.layout, self.k_scale,
+                                    sparse_v_threshold)
+
+
+def random_kv(rng: np.random.Generator, num_tokens: int, num_kv_heads: int,
+              head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """N(0, 1) K and V ``[num_tokens, num_kv_heads, head_dim]``, ``OUTLIER_ROW_SHARE`` of the
+    token rows scaled by ``OUTLIER_GAIN``."""
+    kv = rng.standard_normal((2, num_tokens, num_kv_heads, head_dim), dtype=np.float32)
+    kv[:, rng.random(num_tokens) < OUTLIER_ROW_SHARE] *= OUTLIER_GAIN
+    return kv[0], kv[1]
+
+
+def load_kv_file(path: str) -> dict[str, np.ndarray]:
+    """The arrays of a ``--kv-file``: ``k`` and ``v`` (float, ``[num_tokens, num_kv_heads,
+    head_dim]``, the sequences back to back), optionally ``seq_lens`` (int, tokens per sequence)
+    and ``q`` (float, ``[num_seqs, num_q_heads, head_dim]``). Raises ValueError or OSError."""
+    with np.load(path) as npz:
+        missing = {"k", "v"} - set(npz.files)
+        if missing:
+            raise ValueError(f"{path} has no {' or '.join(sorted(missing))} array "
+                             "(k and v: [num_tokens, num_kv_heads, head_dim])")
+        arrays = {name: npz[name] for name in ("k", "v", "q", "seq_lens") if name in npz.files}
+    if arrays["k"].ndim != 3 or arrays["k"].shape != arrays["v"].shape:
+        raise ValueError(f"{path}: k {arrays['k'].shape} and v {arrays['v'].shape} must both be "
+                         "[num_tokens, num_kv_heads, head_dim]")
+    return arrays
+
+
+def make_case(keys: np.ndarray, values: np.ndarray, q: np.ndarray, seq_lens: Sequence[int],
+              bits: int, block_size: int, rng: np.random.Generator) -> DemoCase:
+    """A `DemoCase`: bf16 inputs, each sequence on its own pages in a shuffled order, random
+    poison in the pools, ``k_scale`` from `planning.calibrate_k_scale`. Raises ValueError."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if lens.ndim != 1 or lens.size == 0 or lens.min() < 1 or lens.sum() != len(keys):
+        raise ValueError(f"sequence lengths {lens.tolist()} must be >= 1 and add up to the "
+                         f"{len(keys)} token rows of K and V")
+    num_kv_heads, head_dim = keys.shape[1:]
+    if q.shape[0] != lens.size or q.shape[2:] != (head_dim,) or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q {q.shape} must be [{lens.size} sequences, a multiple of "
+                         f"{num_kv_heads} query heads, {head_dim}]")
+    pages = -(-lens // block_size)
+    layout = CacheLayout(int(pages.sum()), block_size, num_kv_heads, head_dim, bits)
+    order = rng.permutation(layout.num_blocks).astype(np.int32)
+    tables = np.zeros((lens.size, int(pages.max())), dtype=np.int32)
+    for s, (first, count) in enumerate(zip(np.cumsum(pages) - pages, pages)):
+        tables[s, :count] = order[first:first + count]
+    bf16 = _bf16()
+    keys = keys.astype(bf16)
+    return DemoCase(keys, values.astype(bf16), q.astype(bf16), lens.astype(np.int32),
+                    tables, layout, planning.calibrate_k_scale(keys),
+                    rng.integers(0, 256, layout.k_pool_bytes, dtype=np.uint8),
+                    rng.integers(0, 256, layout.v_pool_bytes, dtype=np.uint8))
+
+
+def build_demo_case(args: argparse.Namespace) -> DemoCase:
+    """The case of ``demo``'s options: random K/V, or ``--kv-file``'s arrays (whose shapes then
+    replace ``--kv-heads``/``--head-dim``; its ``seq_lens`` replace ``--seq-lens``, whose default
+    there is one sequence). Random q where none is given. Raises ValueError or OSError."""
+    if not args.sparse_v_threshold >= 0:
+        raise ValueError(f"--sparse-v-threshold {args.sparse_v_threshold} must be >= 0")
+    rng = np.random.default_rng(args.seed)
+    if args.kv_file:
+        given = load_kv_file(args.kv_file)
+        keys, values = given["k"], given["v"]
+        seq_lens = given.get("seq_lens", args.seq_lens or (len(keys),))
+    else:
+        seq_lens = args.seq_lens or DEFAULT_SEQ_LENS
+        keys, values = random_kv(rng, sum(seq_lens), args.kv_heads, args.head_dim)
+        given = {}
+    q = given.get("q")
+    if q is None:
+        q = rng.standard_normal((len(seq_lens), args.q_heads, keys.shape[2]), dtype=np.float32)
+    return make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng)
+
+
+def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The K and V pools `reference.write_cache` leaves, starting from the poisoned ones."""
+    from . import reference as ref
+
+    layout, n = case.layout, case.layout.row_elems
+    k_pool, v_pool = case.k_pool_init.copy(), case.v_pool_init.copy()
+    slots, starts = case.slot_mapping, case.starts
+
+    def label(s: int) -> str:
+        return f"reference write, sequence {s} ({case.seq_lens[s]} tokens)"
+
+    for s in bench.progress(range(len(case.seq_lens)), label, show_progress):
+        rows = slice(starts[s], starts[s] + case.seq_lens[s])
+        ref.write_cache(case.keys[rows], case.values[rows], k_pool, v_pool, slots[rows],
+                        int(case.seq_lens[s]), layout.num_kv_heads, layout.head_dim,
+                        layout.block_size, n, n, case.k_scale, layout.k_block_stride_bytes,
+                        layout.v_block_stride_bytes, layout.v_data_section_bytes, layout.v_bits)
+    return k_pool, v_pool
+
+
+def reference_decode(case: DemoCase, k_pool: np.ndarray, v_pool: np.ndarray,
+                     sparse_v_threshold: float) -> np.ndarray:
+    """`reference.paged_decode` of the pools, float64 ``[num_seqs, num_q_heads, head_dim]``."""
+    from . import reference as ref
+
+    scalars = case.decode_scalars(sparse_v_threshold)
+    bits = scalars.pop("v_bits")
+    return ref.paged_decode(case.q, k_pool, v_pool, case.block_tables, case.seq_lens,
+                            bits=bits, sliding_window=0, **scalars)
+
+
+def exact_attention(case: DemoCase) -> np.ndarray:
+    """Attention over the unquantised bf16 K/V in float64, ``[num_seqs, num_q_heads, head_dim]``:
+    what the decode would give without the cache's quantisation."""
+    num_kv_heads, head_dim = case.keys.shape[1:]
+    group = case.q.shape[1] // num_kv_heads
+    out = np.zeros(case.q.shape, dtype=np.float64)
+    for s, (start, length) in enumerate(zip(case.starts, case.seq_lens)):
+        k, v = (x[start:start + length].astype(np.float64) for x in (case.keys, case.values))
+        q = case.q[s].astype(np.float64).reshape(num_kv_heads, group, head_dim)
+        scores = np.einsum("hgd,lhd->hgl", q, k) * head_dim ** -0.5
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        heads = np.einsum("hgl,lhd->hgd", weights, v) / weights.sum(axis=-1, keepdims=True)
+        out[s] = heads.reshape(-1, head_dim)
+    return out
+
+
+def relative_error_per_head(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """``‖got − want‖ / ‖want‖`` over the last axis (the absolute norm where ``want`` is 0)."""
+    num, den = np.linalg.norm(got - want, axis=-1), np.linalg.norm(want, axis=-1)
+    return np.where(den > 0, num / np.where(den > 0, den, 1), num)
+
+
+def error_text(err: np.ndarray) -> str:
+    """The largest and the median of the errors ``err``, as text."""
+    return f"max {err.max():.2e}, median {np.median(err):.2e}"
+
+
+@dataclass(frozen=True)
+class GpuRun:
+    """What the kernels produced for a `DemoCase`, and their times (µs, median of the runs)."""
+
+    k_pool: np.ndarray
+    v_pool: np.ndarray
+    output: np.ndarray  # float64 [num_seqs, num_q_heads, head_dim]
+    write_us: float
+    decode_us: float
+
+
+def _download(dev: Device, address: int, like: np.ndarray) -> np.ndarray:
+    dev.synchronize()
+    out = np.empty_like(like)
+    driver_call(cu.cuMemcpyDtoH, out.ctypes.data, address, out.nbytes)
+    return out
+
+
+def run_kernels(dev: Device, case: DemoCase, sparse_v_threshold: float,
+                iters: int) -> GpuRun:
+    """Write the cache and decode with the library (the decode with its split workspace), read
+    the pools and output back, then time ``iters`` CUDA-event-timed runs of each."""
+    write = bench.WriteBuffers(
+        key=dev.upload(case.keys.view(np.uint16)), value=dev.upload(case.values.view(np.uint16)),
+        k_cache=dev.upload(case.k_pool_init), v_cache=dev.upload(case.v_pool_init),
+        slot_mapping=dev.upload(case.slot_mapping))
+    scalars = case.decode_scalars(sparse_v_threshold)
+    workspace_bytes = paged_decode_workspace_bytes(**scalars)
+    poison = np.full(case.q.shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN: unwritten shows
+    decode = bench.DecodeBuffers(
+        q=dev.upload(case.q.view(np.uint16)), k_cache=write.k_cache, v_cache=write.v_cache,
+        output=dev.upload(poison), block_tables=dev.upload(case.block_tables),
+        seq_lens=dev.upload(case.seq_lens),
+        workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
+        workspace_bytes=workspace_bytes)
+    launch_write = functools.partial(bench.launch_write, case.shape("write"), case.layout,
+                                     case.k_scale, write, dev.stream)
+    launch_decode = functools.partial(bench.launch_decode, scalars, decode, dev.stream)
+    launch_write()
+    k_pool, v_pool = (_download(dev, address, like) for address, like in
+                      ((write.k_cache, case.k_pool_init), (write.v_cache, case.v_pool_init)))
+    launch_decode()
+    output = _download(dev, decode.output, poison).view(_bf16()).astype(np.float64)
+    write_time = bench.time_launches(dev, [launch_write], iters, DEMO_WARMUP)
+    decode_time = bench.time_launches(dev, [launch_decode], iters, DEMO_WARMUP)
+    return GpuRun(k_pool, v_pool, output, write_time.median_us, decode_time.median_us)
+
+
+def pool_check(got: np.ndarray, want: np.ndarray, what: str) -> tuple[str, bool]:
+    """A line on whether the kernel's pool equals the reference's, byte for byte; and whether."""
+    diff = np.flatnonzero(got != want)
+    if diff.size == 0:
+        return f"{what}: identical to the reference ({got.nbytes} bytes)", True
+    return (f"{what}: {diff.size} of {got.nbytes} bytes differ from the reference, first at "
+            f"{diff[:4].tolist()}"), False
+
+
+def gpu_report(run: GpuRun, case: DemoCase, pools: tuple[np.ndarray, np.ndarray],
+               want: np.ndarray, iters: int) -> tuple[list[str], bool]:
+    """Lines comparing the kernels with the reference (whole pools byte for byte, the decode by
+    relative error per head) and giving their speed; and whether every check passed."""
+    checks = [pool_check(run.k_pool, pools[0], "write, K pool"),
+              pool_check(run.v_pool, pools[1], "write, V pool")]
+    err = relative_error_per_head(run.output, want)
+    unwritten = int(np.isnan(run.output).sum())
+    checks.append((f"decode vs the float64 reference decode: relative error per head "
+                   f"{error_text(err)} (limit {DECODE_REL_TOL:g})"
+                   + (f"; {unwritten} output elements unwritten" if unwritten else ""),
+                   unwritten == 0 and bool(err.max() <= DECODE_REL_TOL)))
+    speed = (f"kernel time, median of {iters} CUDA-event-timed runs: write {run.write_us:.1f} us "
+             f"({len(case.keys)} tokens), decode {run.decode_us:.1f} us (reads "
+             f"{case.cache_bytes / 1e6:.2f} MB of cache: "
+             f"{bench.gbps(case.cache_bytes, run.decode_us):.0f} GB/s)")
+    return [line for line, _ in checks] + [speed], all(ok for _, ok in checks)
+
+
+def describe_case(case: DemoCase, args: argparse.Namespace) -> str:
+    """Two lines: the shape and where K/V come from; the K scale and the cache's size."""
+    layout = case.layout
+    source = (f"K/V from {args.kv_file}" if args.kv_file else
+              f"random N(0,1) K/V with x{OUTLIER_GAIN:g} outlier rows, seed {args.seed}")
+    bf16_bytes = len(case.keys) * planning.bytes_per_token(layout.num_kv_heads, layout.head_dim,
+                                                           "bf16")
+    return (f"demo: {len(case.seq_lens)} sequences of {', '.join(map(str, case.seq_lens))} tokens; "
+            f"{case.q.shape[1]} query heads, {layout.num_kv_heads} KV heads, head_dim "
+            f"{layout.head_dim}, {layout.block_size}-token pages, fp8k_turbo{layout.v_bits}v; "
+            f"{source}\n"
+            f"k_scale {case.k_scale:.4g} (max |K| / 448); cache {len(case.keys)} tokens x "
+            f"{layout.bytes_per_token} B = {case.cache_bytes / 1e6:.2f} MB per layer "
+            f"(bf16: {bf16_bytes / 1e6:.2f} MB)")
+
+
+def open_device() -> tuple[Device | None, str]:
+    """GPU 0, or None and why not."""
+    try:
+        return Device(), ""
+    except BenchError as exc:
+        return None, first_line(exc)
