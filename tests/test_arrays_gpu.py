@@ -1,0 +1,369 @@
+"""GPU tests of the tensor-level API (fp8kturbov.arrays) through torch and CuPy.
+
+Each write and decode goes through arrays on a non-default stream made current in the array's
+own library, and is checked three ways: the launch used that stream, the result equals the NumPy
+reference (cache bytes exactly over the whole poisoned pools; decode within 1e-2 relative error
+per head of the float64 reference, exact softmax), and it equals, byte for byte, the raw-pointer
+launch on the same inputs. Each test skips without its library (torch, CuPy >= 14 for bfloat16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8kturbov
+from fp8kturbov import CacheLayout, DeviceBuffer, KVCache, ops
+from fp8kturbov import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+BF16 = ml_dtypes.bfloat16
+K_SCALE = 0.05
+SEQ_LENS = [0, 1, 17, 100, 250, 64]
+
+
+class TorchArrays:
+    """Host <-> device copies, pointers and a current stream, through torch."""
+
+    backend = "torch"
+
+    def __init__(self) -> None:
+        self.torch = pytest.importorskip("torch")
+
+    def to_device(self, host: np.ndarray):
+        if host.dtype == BF16:  # through the bits: torch has no NumPy bfloat16
+            return self.torch.from_numpy(host.view(np.int16).copy()).cuda().view(self.torch.bfloat16)
+        return self.torch.from_numpy(np.ascontiguousarray(host)).cuda()
+
+    def view(self, pool):
+        """A tensor over a pool (a tensor already, or any __cuda_array_interface__ object)."""
+        return self.torch.as_tensor(pool, device="cuda")
+
+    def to_host(self, array) -> np.ndarray:
+        array = self.view(array)
+        if array.dtype == self.torch.bfloat16:
+            return array.view(self.torch.int16).cpu().numpy().view(BF16)
+        return array.cpu().numpy()
+
+    def fill(self, pool, host: np.ndarray) -> None:
+        self.view(pool).copy_(self.torch.from_numpy(host))
+
+    def ptr(self, array) -> int:
+        return array.data_ptr()
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def current_stream(self):
+        """A new stream, current inside the block; yields its handle, synchronises on exit."""
+        self.synchronize()  # inputs were uploaded on the default stream
+        stream = self.torch.cuda.Stream()
+        with self.torch.cuda.stream(stream):
+            yield stream.cuda_stream
+        stream.synchronize()
+
+
+class CupyArrays(TorchArrays):
+    """The same through CuPy (>= 14: bfloat16 as ml_dtypes.bfloat16)."""
+
+    backend = "cupy"
+
+    def __init__(self) -> None:
+        self.cupy = pytest.importorskip("cupy", minversion="14")
+
+    def to_device(self, host: np.ndarray):
+        if host.dtype == BF16:
+            return self.cupy.asarray(host.view(np.uint16)).view(BF16)
+        return self.cupy.asarray(host)
+
+    def view(self, pool):
+        return self.cupy.asarray(pool)
+
+    def to_host(self, array) -> np.ndarray:
+        array = self.view(array)
+        if array.dtype == BF16:
+            return self.cupy.asnumpy(array.view(np.uint16)).view(BF16)
+        return self.cupy.asnumpy(array)
+
+    def fill(self, pool, host: np.ndarray) -> None:
+        self.view(pool).set(host)
+
+    def ptr(self, array) -> int:
+        return array.data.ptr
+
+    def synchronize(self) -> None:
+        self.cupy.cuda.Device().synchronize()
+
+    @contextlib.contextmanager
+    def current_stream(self):
+        self.synchronize()
+        with self.cupy.cuda.Stream(non_blocking=True) as stream:
+            yield stream.ptr
+        stream.synchronize()
+
+
+LIBRARIES = {"torch": TorchArrays, "cupy": CupyArrays}
+
+
+@pytest.fixture
+def rng(request):
+    seed = np.random.SeedSequence().entropy % 2**32
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed = {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def streams_of(monkeypatch):
+    """``streams_of(op)``: the list that every later ``ops.<op>`` call appends its stream to
+    (the call still runs)."""
+
+    def spy(op: str) -> list:
+        seen, launcher = [], getattr(ops, op)
+
+        def recording(*args, **kwargs):
+            seen.append(kwargs.get("stream"))
+            return launcher(*args, **kwargs)
+
+        monkeypatch.setattr(ops, op, recording)
+        return seen
+
+    return spy
+
+
+def bf16_rows(rng, num_rows: int, row_elems: int, stride: int) -> np.ndarray:
+    """bf16 N(0, 1) rows ``[num_rows, stride]``; padding beyond ``row_elems`` is NaN, so reading it
+    would show."""
+    rows = np.full((num_rows, stride), np.nan, dtype=np.float32)
+    rows[:, :row_elems] = rng.standard_normal((num_rows, row_elems))
+    return rows.astype(BF16)
+
+
+def random_bytes(rng, nbytes: int) -> np.ndarray:
+    return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def assert_bytes_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    diff = np.flatnonzero(got.view(np.uint8) != want.view(np.uint8))
+    assert diff.size == 0, f"{what}: {diff.size} bytes differ, first at {diff[:8].tolist()}"
+
+
+def layout_for(bits: int, num_blocks: int = 40) -> CacheLayout:
+    return CacheLayout(num_blocks=num_blocks, block_size=16, num_kv_heads=2, head_dim=128, v_bits=bits)
+
+
+def address(lib: TorchArrays, array) -> int:
+    return array.ptr if isinstance(array, DeviceBuffer) else lib.ptr(array)
+
+
+# ---- Write -----------------------------------------------------------------------------------------
+def check_write(lib: TorchArrays, cache: KVCache, rng, streams_of) -> None:
+    """write_kv on a current non-default stream: 3-D keys with padded rows, 2-D values."""
+    layout, n, num_tokens = cache.layout, cache.layout.row_elems, 60
+    key_stride = n + 24
+    k_before, v_before = random_bytes(rng, layout.k_pool_bytes), random_bytes(rng, layout.v_pool_bytes)
+    key_host = bf16_rows(rng, num_tokens, n, key_stride)
+    value_host = bf16_rows(rng, num_tokens, n, n)
+    slots = rng.choice(layout.num_slots, size=num_tokens, replace=False).astype(np.int64)
+    slots[rng.random(num_tokens) < 0.1] = -1
+    key_rows, value, slot_mapping = (lib.to_device(a) for a in (key_host, value_host, slots))
+    key = key_rows[:, :n].reshape(num_tokens, layout.num_kv_heads, layout.head_dim)
+    lib.fill(cache.k_pool, k_before)
+    lib.fill(cache.v_pool, v_before)
+
+    streams = streams_of("reshape_and_cache")
+    with lib.current_stream() as stream:
+        fp8kturbov.write_kv(key, value, cache, slot_mapping)
+    assert streams == [stream] and stream != 0
+
+    want_k, want_v = k_before.copy(), v_before.copy()
+    ref.write_cache(key_host, value_host, want_k, want_v, slots, num_tokens, layout.num_kv_heads,
+                    layout.head_dim, layout.block_size, key_stride, n, K_SCALE,
+                    layout.k_block_stride_bytes, layout.v_block_stride_bytes,
+                    layout.v_data_section_bytes, layout.v_bits)
+    got_k, got_v = lib.to_host(cache.k_pool), lib.to_host(cache.v_pool)
+    assert_bytes_equal(got_k, want_k, "K pool vs reference")
+    assert_bytes_equal(got_v, want_v, "V pool vs reference")
+
+    with KVCache.allocate(layout, K_SCALE, backend=cache.backend) as twin:
+        lib.fill(twin.k_pool, k_before)
+        lib.fill(twin.v_pool, v_before)
+        lib.synchronize()
+        ops.reshape_and_cache(
+            lib.ptr(key_rows), lib.ptr(value), twin.k_ptr, twin.v_ptr, lib.ptr(slot_mapping),
+            num_tokens=num_tokens, key_stride=key_stride, value_stride=n, k_scale=K_SCALE,
+            **twin._layout_args())
+        lib.synchronize()
+        assert_bytes_equal(lib.to_host(twin.k_pool), got_k, "K pool vs raw-pointer launch")
+        assert_bytes_equal(lib.to_host(twin.v_pool), got_v, "V pool vs raw-pointer launch")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("library", list(LIBRARIES))
+def test_write(rng, streams_of, library, bits):
+    lib = LIBRARIES[library]()
+    with KVCache.allocate(layout_for(bits), K_SCALE, backend=lib.backend) as cache:
+        check_write(lib, cache, rng, streams_of)
+
+
+# ---- Decode ----------------------------------------------------------------------------------------
+def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int) -> None:
+    """paged_decode on a current non-default stream: padded q rows, out allocated like q, the
+    cache's own workspace, exact softmax (sparse_v_threshold = 0)."""
+    layout = cache.layout
+    heads, dim, block = layout.num_kv_heads, layout.head_dim, layout.block_size
+    n, num_slots = layout.row_elems, layout.num_slots
+    k_host, v_host = random_bytes(rng, layout.k_pool_bytes), random_bytes(rng, layout.v_pool_bytes)
+    ref.write_cache(bf16_rows(rng, num_slots, n, n), bf16_rows(rng, num_slots, n, n), k_host, v_host,
+                    np.arange(num_slots), num_slots, heads, dim, block, n, n, K_SCALE,
+                    layout.k_block_stride_bytes, layout.v_block_stride_bytes,
+                    layout.v_data_section_bytes, layout.v_bits)
+    lib.fill(cache.k_pool, k_host)
+    lib.fill(cache.v_pool, v_host)
+
+    seq_lens = np.array(SEQ_LENS, dtype=np.int32)
+    num_seqs, num_q_heads = len(seq_lens), 4 * heads
+    blocks_needed = -(-seq_lens // block)
+    max_blocks = int(blocks_needed.max()) + 1
+    pages = rng.permutation(layout.num_blocks).astype(np.int32)
+    tables = np.full((num_seqs, max_blocks), -7, dtype=np.int32)
+    for s, (start, count) in enumerate(zip(np.cumsum(blocks_needed) - blocks_needed, blocks_needed)):
+        tables[s, :count] = pages[start:start + count]
+    q_stride = num_q_heads * dim + 8
+    q_host = bf16_rows(rng, num_seqs, num_q_heads * dim, q_stride)
+    q_rows, tables_dev, lens_dev = (lib.to_device(a) for a in (q_host, tables, seq_lens))
+    q = q_rows[:, :num_q_heads * dim].reshape(num_seqs, num_q_heads, dim)
+    workspace = cache.decode_workspace(num_seqs, num_q_heads, max_blocks, sliding_window=window)
+
+    streams = streams_of("paged_decode_attn")
+    with lib.current_stream() as stream:
+        out = fp8kturbov.paged_decode(q, cache, tables_dev, lens_dev, sliding_window=window,
+                                      sparse_v_threshold=0.0, workspace=workspace)
+    assert streams == [stream] and stream != 0
+    got = lib.to_host(out)
+    want = ref.paged_decode(q_host, k_host, v_host, tables, seq_lens, max_blocks, num_seqs,
+                            num_q_heads, heads, dim, block, dim ** -0.5, K_SCALE, q_stride,
+                            layout.v_block_stride_bytes, layout.v_data_section_bytes, window,
+                            layout.v_bits, k_block_stride_bytes=layout.k_block_stride_bytes)
+    got64 = got.astype(np.float64)
+    assert not np.isnan(got64).any() and np.all(got64[seq_lens == 0] == 0)
+    num = np.linalg.norm(got64 - want, axis=-1)
+    den = np.linalg.norm(want, axis=-1)
+    err = np.where(den > 0, num / np.where(den > 0, den, 1), num)
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+    raw_out = lib.to_device(np.full(got.shape, np.nan, dtype=BF16))
+    lib.synchronize()
+    ops.paged_decode_attn(
+        lib.ptr(q_rows), cache.k_ptr, cache.v_ptr, lib.ptr(raw_out), lib.ptr(tables_dev),
+        lib.ptr(lens_dev), max_blocks_per_seq=max_blocks, num_seqs=num_seqs,
+        num_q_heads=num_q_heads, inv_sqrt_d=dim ** -0.5, k_scale=K_SCALE, q_stride=q_stride,
+        sliding_window=window, sparse_v_threshold=0.0, workspace=address(lib, workspace),
+        workspace_bytes=workspace.nbytes, **cache._layout_args())
+    lib.synchronize()
+    assert_bytes_equal(lib.to_host(raw_out), got, "decode output vs raw-pointer launch")
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("library", list(LIBRARIES))
+def test_decode(rng, streams_of, library, bits, window):
+    lib = LIBRARIES[library]()
+    with KVCache.allocate(layout_for(bits), K_SCALE, backend=lib.backend) as cache:
+        check_decode(lib, cache, rng, streams_of, window)
+
+
+# ---- KVCache.allocate, each backend ---------------------------------------------------------------
+@pytest.mark.parametrize("backend, library", [("torch", "torch"), ("cupy", "cupy"), ("cuda", "torch"),
+                                              ("cuda", "cupy")])
+def test_allocate(rng, streams_of, backend, library):
+    lib = LIBRARIES[library]()
+    layout = layout_for(3)
+    cache = KVCache.allocate(layout, K_SCALE, backend=backend, device=0)
+    pool_type = {"torch": "Tensor", "cupy": "ndarray", "cuda": "DeviceBuffer"}[backend]
+    assert type(cache.k_pool).__name__ == pool_type and cache.owns_memory
+    assert (cache.backend, cache.device) == (backend, 0)
+    assert (cache.k_pool.nbytes, cache.v_pool.nbytes) == (layout.k_pool_bytes, layout.v_pool_bytes)
+    workspace = cache.decode_workspace(6, 8, 17)
+    assert type(workspace).__name__ == pool_type
+    check_write(lib, cache, rng, streams_of)
+    check_decode(lib, cache, rng, streams_of, window=0)
+    pools = (cache.k_pool, cache.v_pool)
+    cache.close()
+    assert cache.closed and cache.k_ptr == 0
+    if backend == "cuda":
+        assert all(pool.closed and pool.ptr == 0 for pool in pools)
+
+
+def test_device_buffer_is_an_array():
+    torch = pytest.importorskip("torch")
+    with DeviceBuffer(4096) as buffer:
+        view = torch.as_tensor(buffer, device="cuda")
+        view.fill_(7)
+        assert view.data_ptr() == buffer.ptr and int(view.sum()) == 7 * 4096
+    assert buffer.closed
+
+
+# ---- Arrays seen only through __cuda_array_interface__ or DLPack -----------------------------------
+class CAIView:
+    """A torch tensor seen only through __cuda_array_interface__ v3 (bf16 as '<V2'), produced on
+    ``stream``."""
+
+    def __init__(self, tensor, stream: int) -> None:
+        torch = pytest.importorskip("torch")
+        typestr = {torch.bfloat16: "<V2", torch.int64: "<i8", torch.int32: "<i4"}[tensor.dtype]
+        self.tensor = tensor
+        self.__cuda_array_interface__ = {
+            "shape": tuple(tensor.shape), "typestr": typestr, "data": (tensor.data_ptr(), False),
+            "strides": tuple(s * tensor.element_size() for s in tensor.stride()),
+            "version": 3, "stream": stream}
+
+
+class DLPackView:
+    """A torch tensor seen only through DLPack."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        return self.tensor.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def test_cai_and_dlpack_arrays_on_other_streams(rng, streams_of):
+    """Key and slots produced on one stream (CAI names it), value through DLPack, the launch on a
+    third stream: the launch waits for the producer by event and the DLPack export by its rule."""
+    lib = TorchArrays()
+    torch = lib.torch
+    layout = layout_for(4)
+    n, num_tokens = layout.row_elems, 33
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    key_host, value_host = bf16_rows(rng, num_tokens, n, n), bf16_rows(rng, num_tokens, n, n)
+    slots = rng.choice(layout.num_slots, size=num_tokens, replace=False).astype(np.int64)
+    k_before, v_before = random_bytes(rng, layout.k_pool_bytes), random_bytes(rng, layout.v_pool_bytes)
+    with KVCache.allocate(layout, K_SCALE, backend="cuda") as cache:
+        lib.fill(cache.k_pool, k_before)
+        lib.fill(cache.v_pool, v_before)
+        lib.synchronize()
+        with torch.cuda.stream(producer):
+            key, slot_mapping = lib.to_device(key_host), lib.to_device(slots)
+        value = lib.to_device(value_host)
+        streams = streams_of("reshape_and_cache")
+        fp8kturbov.write_kv(CAIView(key, producer.cuda_stream), DLPackView(value), cache,
+                            CAIView(slot_mapping, producer.cuda_stream), stream=consumer)
+        assert streams == [consumer.cuda_stream]
+        consumer.synchronize()
+        want_k, want_v = k_before.copy(), v_before.copy()
+        ref.write_cache(key_host, value_host, want_k, want_v, slots, num_tokens,
+                        layout.num_kv_heads, layout.head_dim, layout.block_size, n, n, K_SCALE,
+                        layout.k_block_stride_bytes, layout.v_block_stride_bytes,
+                        layout.v_data_section_bytes, layout.v_bits)
+        assert_bytes_equal(lib.to_host(cache.k_pool), want_k, "K pool")
+        assert_bytes_equal(lib.to_host(cache.v_pool), want_v, "V pool")
