@@ -28,10 +28,14 @@ fp8kturbov_status_t fail(fp8kturbov_status_t status, const char* entry, const ch
   return status;
 }
 
-fp8kturbov_status_t report_launch(cudaError_t err, const char* entry) {
+fp8kturbov_status_t report_cuda(cudaError_t err, const char* entry, const char* what) {
   if (err == cudaSuccess) return FP8KTURBOV_STATUS_SUCCESS;
-  return fail(FP8KTURBOV_STATUS_CUDA_ERROR, entry, "kernel launch failed: %s (%s)",
+  return fail(FP8KTURBOV_STATUS_CUDA_ERROR, entry, "%s failed: %s (%s)", what,
               cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+fp8kturbov_status_t report_launch(cudaError_t err, const char* entry) {
+  return report_cuda(err, entry, "kernel launch");
 }
 
 bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -253,7 +257,8 @@ DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
   const uint64_t tiles = (span + 2 * kDecodeTileTokens - 2) / kDecodeTileTokens;
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
   const uint64_t target_ctas = uint64_t(multiprocessors) * kDecodeCtasPerSm;
-  uint64_t splits = base_ctas < target_ctas ? (target_ctas + base_ctas - 1) / base_ctas : 1;
+  uint64_t splits =
+      base_ctas > 0 && base_ctas < target_ctas ? (target_ctas + base_ctas - 1) / base_ctas : 1;
   splits = std::min(splits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles));
   const uint64_t tiles_per_split = (tiles + splits - 1) / splits;
   plan.num_splits = uint32_t((tiles + tiles_per_split - 1) / tiles_per_split);
@@ -311,7 +316,7 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   }
   int multiprocessors = 0;
   const cudaError_t query = current_multiprocessors(&multiprocessors);
-  if (query != cudaSuccess) return report_launch(query, entry);
+  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
   const DecodePlan plan = plan_decode(p, multiprocessors, p.workspace_bytes);
   const FastDivider divider = fast_divider(p.block_size);
 
@@ -350,11 +355,17 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
   g_last_error[0] = '\0';
   if (workspace_bytes == nullptr)
     return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "workspace_bytes is NULL");
+  // Pointers are not part of the question: validate the scalars alone.
+  fp8kturbov_decode_params_t scalars = p;
+  scalars.k_cache = nullptr;
+  scalars.v_cache = nullptr;
   uint64_t k_block_stride_bytes = 0;
-  FP8KTURBOV_CHECK(validate_decode(entry, p, &k_block_stride_bytes));
+  FP8KTURBOV_CHECK(validate_decode(entry, scalars, &k_block_stride_bytes));
+  *workspace_bytes = 0;
+  if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
   int multiprocessors = 0;
   const cudaError_t query = current_multiprocessors(&multiprocessors);
-  if (query != cudaSuccess) return report_launch(query, entry);
+  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
   const DecodePlan plan = plan_decode(p, multiprocessors, UINT64_MAX);
   *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim);
   return FP8KTURBOV_STATUS_SUCCESS;

@@ -31,7 +31,8 @@ class CacheLayout:
         if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 0:
             raise InvalidValueError(Status.INVALID_VALUE, f"num_blocks = {self.num_blocks} < 0")
         shape = (self.block_size, self.num_kv_heads, self.head_dim)
-        if not all(isinstance(v, int) and 0 < v < 2**32 for v in (*shape, self.v_bits)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**32
+                   for v in (*shape, self.v_bits)):
             raise InvalidValueError(
                 Status.INVALID_VALUE,
                 f"block_size={self.block_size!r}, num_kv_heads={self.num_kv_heads!r}, "

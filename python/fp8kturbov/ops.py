@@ -51,19 +51,29 @@ def _unsigned(name: str, value: Any, limit: int) -> int:
     return number
 
 
-def _float32(name: str, value: float) -> float:
-    value = float(value)
-    if math.isfinite(value) and abs(value) > _F32_MAX:
+def _float32(name: str, value: Any) -> float:
+    """``value`` as a float that fits float32 (NaN and infinities pass: the library judges them)."""
+    number = None
+    if not isinstance(value, (str, bytes, bytearray)):
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            number = None
+    if number is None:
+        raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} is not a number")
+    if math.isfinite(number) and abs(number) > _F32_MAX:
         raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} overflows float32")
-    return value
+    return number
 
 
 def _pointer(name: str, value: int) -> int:
     return _unsigned(name, value, _U64_MAX)
 
 
-def _fill(params: ctypes.Structure, values: dict[str, Any]) -> None:
-    """Set the struct fields from ``values``, range-checking each by its C type."""
+def _fill(params: ctypes.Structure, values: dict[str, Any]) -> dict[str, Any]:
+    """Set the struct fields from ``values``, range-checking each by its C type; returns the
+    checked values (plain ints and floats) by name."""
+    checked = {}
     for name, ctype in params._fields_:
         if name == "struct_size" or name not in values:
             continue
@@ -77,6 +87,8 @@ def _fill(params: ctypes.Structure, values: dict[str, Any]) -> None:
         elif ctype is ctypes.c_float:
             value = _float32(name, value)
         setattr(params, name, value)
+        checked[name] = value
+    return checked
 
 
 def reshape_and_cache(
@@ -137,9 +149,10 @@ def paged_decode_workspace_bytes(
 
 def _call_fixed(c_function, params_type: type[ctypes.Structure], names: tuple[str, ...],
                 values: tuple[Any, ...], stream: Any) -> None:
-    """Range-check ``values`` by the C types of the matching struct fields, then call."""
-    _fill(params_type(), dict(zip(names, values)))
-    check(c_function(*values, stream_handle(stream)))
+    """Range-check ``values`` by the C types of the matching struct fields, then call with the
+    checked values (NumPy scalars become plain numbers ctypes accepts)."""
+    checked = _fill(params_type(), dict(zip(names, values)))
+    check(c_function(*(checked[name] for name in names), stream_handle(stream)))
 
 
 _WRITE_ARG_NAMES = ("key", "value", "k_cache", "v_cache", "slot_mapping", "num_tokens",
