@@ -28,7 +28,7 @@ from typing import Any, Callable
 import pytest
 
 import fp8kturbov
-from conftest import gpu_unavailable_reason
+from abi_util import EntryPoint, last_error, no_gpu
 from fp8kturbov import Status, _lib
 from fp8kturbov._lib import lib
 
@@ -114,18 +114,8 @@ def ctype_of(c_type: str) -> Any:
             "uint64_t": ctypes.c_uint64, "float": ctypes.c_float}[base]
 
 
-def no_gpu() -> bool:
-    """True only where conftest found no usable GPU *and* could have found one (cuda.bindings
-    imports): only then may a call launch on fake pointers."""
-    try:
-        import cuda.bindings.driver  # noqa: F401
-    except ImportError:
-        return False
-    return gpu_unavailable_reason() is not None
 
 
-def last_error() -> str:
-    return lib.fp8kturbov_last_error_message().decode()
 
 
 # ---- Versions and statuses -------------------------------------------------------------------------
@@ -351,21 +341,8 @@ def fake_pointers(names: list[str]) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class Entry:
-    op: str                  # "write" or "decode"
-    bits: int | None = None  # None: the generic entry point taking a params struct
-
-    @property
-    def name(self) -> str:
-        base = "reshape_and_cache" if self.op == "write" else "paged_decode_attn"
-        return base if self.bits is None else f"{base}_fp8k_turbo{self.bits}v"
-
-    @property
-    def c_name(self) -> str:
-        return f"fp8kturbov_{self.name}"
-
-    def __str__(self) -> str:
-        return self.name
+class Entry(EntryPoint):
+    """An entry point with the arguments this file builds for it and its two ways of calling."""
 
     def valid_args(self, *, work: int = 0, head_dim: int = 128, num_kv_heads: int = 2,
                    block_size: int = 16, v_bits: int = 3) -> dict[str, Any]:

@@ -111,14 +111,6 @@ LIBRARIES = {"torch": TorchArrays, "cupy": CupyArrays}
 
 
 @pytest.fixture
-def rng(request):
-    seed = np.random.SeedSequence().entropy % 2**32
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed = {seed}")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture
 def streams_of(monkeypatch):
     """``streams_of(op)``: the list that every later ``ops.<op>`` call appends its stream to
     (the call still runs)."""

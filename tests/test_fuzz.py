@@ -46,6 +46,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fp8kturbov  # noqa: E402
+from abi_util import EntryPoint, last_error, no_gpu  # noqa: E402
 from conftest import gpu_unavailable_reason  # noqa: E402
 from fp8kturbov import Status, _lib  # noqa: E402
 from fp8kturbov._lib import lib  # noqa: E402
@@ -107,18 +108,8 @@ assert all(set(FIXED_PARAMS[op][:-1]) <= set(FIELD_TYPES[op]) for op in STRUCTS)
 
 
 @dataclass(frozen=True)
-class Entry:
-    op: str                  # "write" or "decode"
-    bits: int | None = None  # None: the generic entry point taking a params struct
-
-    @property
-    def name(self) -> str:
-        base = "reshape_and_cache" if self.op == "write" else "paged_decode_attn"
-        return base if self.bits is None else f"{base}_fp8k_turbo{self.bits}v"
-
-    @property
-    def c_name(self) -> str:
-        return f"fp8kturbov_{self.name}"
+class Entry(EntryPoint):
+    """An entry point with the names of the arguments it takes."""
 
     @property
     def names(self) -> list[str]:
@@ -127,9 +118,6 @@ class Entry:
             return [n for n, _ in STRUCTS[self.op]._fields_ if n != "struct_size"]
         return FIXED_PARAMS[self.op][:-1]
 
-    def __str__(self) -> str:
-        return self.name
-
 
 ENTRIES = [Entry(op, bits) for op in ("write", "decode") for bits in (None, 2, 3, 4)]
 WRITE, DECODE = ENTRIES[0], ENTRIES[4]
@@ -137,17 +125,8 @@ QUERY = "fp8kturbov_paged_decode_workspace_bytes"
 entries = pytest.mark.parametrize("entry", ENTRIES, ids=str)
 
 
-def no_gpu() -> bool:
-    """True only where conftest found no usable GPU *and* could have found one."""
-    try:
-        import cuda.bindings.driver  # noqa: F401
-    except ImportError:
-        return False
-    return gpu_unavailable_reason() is not None
 
 
-def last_error() -> str:
-    return lib.fp8kturbov_last_error_message().decode()
 
 
 def set_error_message() -> str:

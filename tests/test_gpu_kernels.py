@@ -32,14 +32,6 @@ def device():
     dev.free_all()
 
 
-@pytest.fixture
-def rng(request):
-    seed = np.random.SeedSequence().entropy % 2**32
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed = {seed}")
-    return np.random.default_rng(seed)
-
-
 def random_rows(rng, num_rows: int, stride: int, row_elems: int, *, hostile: bool) -> np.ndarray:
     """bf16 rows [num_rows, stride]: N(0, 1) data, 1/8 of the rows x10, 5 % of the groups zero;
     with ``hostile`` also a few NaN and ±Inf elements. Padding beyond the row is NaN so that

@@ -1,0 +1,43 @@
+"""Helpers shared by the ABI tests (test_abi.py, test_fuzz.py): the eight entry points by name,
+and what may be launched where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conftest import gpu_unavailable_reason
+from fp8kturbov._lib import lib
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """One of the eight launching entry points: the write or the decode, generic or fixed-bit."""
+
+    op: str                  # "write" or "decode"
+    bits: int | None = None  # None: the generic entry point taking a params struct
+
+    @property
+    def name(self) -> str:
+        base = "reshape_and_cache" if self.op == "write" else "paged_decode_attn"
+        return base if self.bits is None else f"{base}_fp8k_turbo{self.bits}v"
+
+    @property
+    def c_name(self) -> str:
+        return f"fp8kturbov_{self.name}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def no_gpu() -> bool:
+    """True only where conftest found no usable GPU *and* could have found one (cuda.bindings
+    imports): only then may a call launch on fake pointers."""
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False
+    return gpu_unavailable_reason() is not None
+
+
+def last_error() -> str:
+    return lib.fp8kturbov_last_error_message().decode()
