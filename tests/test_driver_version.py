@@ -1,0 +1,150 @@
+"""The import-time driver check: a driver older than the library's CUDA major stops the import
+with both versions named; no driver (CPU use) or a new enough one lets it load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from fp8kturbov import _lib
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """Set the driver version the check sees (None: no driver) and the CUDA major it requires."""
+    monkeypatch.delenv(_lib.SKIP_DRIVER_CHECK_ENV, raising=False)
+
+    def set_(found: int | None, required: int | None = 13, source: str = "fp8kturbov-cu13"):
+        monkeypatch.setattr(_lib, "driver_version", lambda: found)
+        monkeypatch.setattr(_lib, "required_cuda_major",
+                            lambda path: None if required is None else (required, source))
+
+    return set_
+
+
+@pytest.mark.parametrize("found, required, shown, needed", [
+    (12040, 13, "12.4", "CUDA 13 driver (580 or newer)"),
+    (12090, 13, "12.9", "CUDA 13 driver (580 or newer)"),
+    (11080, 12, "11.8", "CUDA 12 driver (525 or newer)"),
+])
+def test_a_too_old_driver_stops_the_import_naming_both_versions(driver, found, required, shown, needed):
+    driver(found, required, f"fp8kturbov-cu{required}")
+    with pytest.raises(ImportError) as info:
+        _lib.check_driver(Path("libfp8kturbov.so"))
+    message = str(info.value)
+    assert needed in message and f"found a CUDA {shown} driver" in message
+    assert f"fp8kturbov-cu{required}" in message
+    assert _lib.SKIP_DRIVER_CHECK_ENV in message
+
+
+def test_the_message_points_a_cuda12_driver_at_the_cu12_wheel(driver):
+    driver(12040, 13)
+    with pytest.raises(ImportError, match="install fp8kturbov-cu12 or update the NVIDIA driver"):
+        _lib.check_driver(Path("libfp8kturbov.so"))
+
+
+def test_no_driver_is_no_error(driver):
+    driver(None, 13)
+    _lib.check_driver(Path("libfp8kturbov.so"))
+
+
+@pytest.mark.parametrize("found, required", [(13000, 13), (13020, 13), (12080, 12), (12020, 12),
+                                             (13000, 12)])
+def test_a_new_enough_driver_is_no_error(driver, found, required):
+    driver(found, required)
+    _lib.check_driver(Path("libfp8kturbov.so"))
+
+
+def test_an_unknown_requirement_is_not_checked(driver):
+    driver(11000, None)
+    _lib.check_driver(Path("libfp8kturbov.so"))
+
+
+def test_the_environment_variable_skips_the_check(driver, monkeypatch):
+    driver(12040, 13)
+    monkeypatch.setenv(_lib.SKIP_DRIVER_CHECK_ENV, "1")
+    _lib.check_driver(Path("libfp8kturbov.so"))
+
+
+def _fake_cuda_bindings(monkeypatch, get_version):
+    """Install a stand-in ``cuda.bindings.driver`` whose ``cuDriverGetVersion`` is ``get_version``."""
+    class CUresult:
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_NO_DEVICE = 100
+
+    fake = types.ModuleType("cuda.bindings.driver")
+    fake.CUresult = CUresult
+    fake.cuDriverGetVersion = get_version
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = fake
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
+    return CUresult
+
+
+def test_driver_version_reads_cu_driver_get_version(monkeypatch):
+    result = _fake_cuda_bindings(monkeypatch, lambda: (0, 12040))
+    assert _lib.driver_version() == 12040
+    _fake_cuda_bindings(monkeypatch, lambda: (result.CUDA_ERROR_NO_DEVICE, 0))
+    assert _lib.driver_version() is None
+
+
+def test_driver_version_is_none_where_the_driver_library_cannot_load(monkeypatch):
+    def missing():
+        raise RuntimeError("libcuda.so.1: cannot open shared object file")
+
+    _fake_cuda_bindings(monkeypatch, missing)
+    assert _lib.driver_version() is None
+
+
+def test_the_library_names_the_cuda_major_it_was_built_with(tmp_path, monkeypatch):
+    monkeypatch.setenv(_lib.LIBRARY_ENV, str(tmp_path / "lib.so"))  # no distribution lookup
+    built = tmp_path / "lib.so"
+    built.write_bytes(b"\0ELF..." + b"Cuda compilation tools, release 12.9, V12.9.86" + b"\0" * 64)
+    assert _lib.required_cuda_major(built) == (12, "lib.so (built with CUDA 12.9)")
+    unknown = tmp_path / "other.so"
+    unknown.write_bytes(b"\0" * 128)
+    assert _lib.required_cuda_major(unknown) is None
+    assert _lib.required_cuda_major(tmp_path / "absent.so") is None
+
+
+def test_the_loaded_library_names_a_cuda_major():
+    found = _lib._library_major(_lib.library_path())
+    assert found is not None and found[0] >= 12, found
+
+
+def test_importing_with_a_too_old_driver_fails_and_without_one_succeeds(tmp_path):
+    """End to end in a fresh interpreter: a stand-in cuda.bindings reporting a CUDA 11.8 driver,
+    older than any toolkit the library can be built with, stops ``import fp8kturbov``."""
+    fake = tmp_path / "cuda" / "bindings"
+    fake.mkdir(parents=True)
+    (tmp_path / "cuda" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("__version__ = '11.8.0'\n")
+    (fake / "driver.py").write_text(textwrap.dedent("""\
+        import os
+        class CUresult:
+            CUDA_SUCCESS = 0
+        def cuDriverGetVersion():
+            if os.environ.get("FAKE_NO_DRIVER"):
+                raise RuntimeError("libcuda.so.1: cannot open shared object file")
+            return (0, 11080)
+        """))
+    path = os.pathsep.join([str(tmp_path), *(p for p in sys.path if p)])
+    env = {k: v for k, v in os.environ.items() if k != _lib.SKIP_DRIVER_CHECK_ENV}
+    env["PYTHONPATH"] = path
+    run = [sys.executable, "-c", "import fp8kturbov; print('loaded')"]
+    old = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert old.returncode != 0
+    assert "ImportError" in old.stderr and "found a CUDA 11.8 driver" in old.stderr, old.stderr
+    none = subprocess.run(run, env={**env, "FAKE_NO_DRIVER": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert none.returncode == 0 and "loaded" in none.stdout, none.stderr
