@@ -2,7 +2,9 @@
 
 Commands: ``bench`` (decode and write against the memory roofline; see `fp8kturbov.bench`),
 ``info`` (library, architectures, driver and GPUs; see `fp8kturbov.info`), ``demo`` (write and
-decode a ragged batch, checked against the NumPy reference; see `fp8kturbov.demo`). Top-level
+decode a ragged batch, checked against the NumPy reference; see `fp8kturbov.demo`), ``quality``
+(V quantisation error of each width/encoder/rotation and of FP8/NVFP4 peers on synthetic data, NumPy
+reference only; see `fp8kturbov.quality`). Top-level
 flags for build systems: ``--include-dir`` (the folder holding ``fp8kturbov.h``) and
 ``--library`` (the path of ``libfp8kturbov.so``). This module holds the parser and the handlers
 only. Each command is a subparser with a ``handler(args) -> exit status``; add one in
@@ -15,7 +17,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import Fp8kturbovError, bench, demo, info, library_path
+from . import Fp8kturbovError, bench, demo, info, library_path, quality
 from ._device import first_line
 
 PROG = "python -m fp8kturbov"
@@ -216,6 +218,47 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
 
 
+def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``quality``; the defaults are `fp8kturbov.quality.Config`'s."""
+    d = quality.Config()
+    count = _typed(bench.parse_count)
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default: {d.seed})")
+    parser.add_argument("--tokens", type=count, metavar="N", default=d.tokens,
+                        help=f"cached positions (default: {d.tokens})")
+    parser.add_argument("--queries", type=count, metavar="N", default=d.queries,
+                        help=f"query vectors per KV head (default: {d.queries})")
+    parser.add_argument("--kv-heads", type=count, metavar="N", default=d.num_kv_heads,
+                        help=f"KV heads (default: {d.num_kv_heads})")
+    parser.add_argument("--head-dim", type=count, metavar="D", default=d.head_dim,
+                        help=f"elements per head; the rotation needs 128, 256 or 512 (default: {d.head_dim})")
+    parser.add_argument("--bits", type=_typed(bench.parse_counts), metavar="B,...", default=d.bits,
+                        help=f"V code widths (default: {','.join(map(str, d.bits))})")
+    parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    """``quality``: run `fp8kturbov.quality.run_quality`, print the table, write the JSON where asked."""
+    try:
+        config = quality.Config(seed=args.seed, tokens=args.tokens, queries=args.queries,
+                                num_kv_heads=args.kv_heads, head_dim=args.head_dim, bits=tuple(args.bits))
+    except ValueError as exc:
+        _error(str(exc), "quality")
+        return 2
+    try:
+        rows, seconds = quality.main_rows(config)
+    except KeyboardInterrupt:
+        _error("interrupted", "quality")
+        return 130
+    print(quality.format_table(rows, config, seconds))
+    if args.json:
+        try:
+            quality.write_json(args.json, rows, config)
+        except OSError as exc:
+            _error(first_line(exc), "quality")
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; each subparser sets ``handler``."""
     parser = argparse.ArgumentParser(prog=PROG, description="fp8kturbov tools.")
@@ -245,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels. Without a GPU only the reference runs.")
     add_demo_arguments(demo_parser)
     demo_parser.set_defaults(handler=run_demo)
+    quality_parser = commands.add_parser(
+        "quality", help="V quantisation error per width/encoder/rotation on synthetic data",
+        description="With the NumPy reference only (no GPU): for each V width, encoder "
+        "(matched_norm, mse) and rotation, on synthetic Gaussian, Student-t(4) and outlier-heavy V, "
+        "print the V normalised MSE and the attention-output relative error against unquantised "
+        "float64 attention, with FP8 K+V and NVFP4-style V peers. Real K/V activations of a model "
+        "are not used.")
+    add_quality_arguments(quality_parser)
+    quality_parser.set_defaults(handler=run_quality)
     return parser
 
 

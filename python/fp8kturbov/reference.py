@@ -19,6 +19,7 @@ __all__ = [
     "k_page_bytes", "v_data_section_bytes", "v_scale_section_bytes", "v_page_bytes", "v_group_bytes",
     "e4m3_encode", "e4m3_decode", "encode_k", "decode_k", "pack_codes", "unpack_codes",
     "encode_v", "decode_v", "write_cache", "paged_decode",
+    "V_ENCODERS", "MSE_CANDIDATE_BYTES", "ROTATION_DIMS", "rotation_signs", "hadamard", "rotate", "unrotate",
 ]
 
 GROUP_ELEMS = 16
@@ -165,19 +166,26 @@ def unpack_codes(data: ArrayLike, bits: int) -> NDArray[np.uint8]:
     return out.astype(np.uint8).reshape(*lead, m * 8 // bits)
 
 
-def encode_v(x: ArrayLike, bits: int) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
-    """Matched-norm V encoder, FORMAT.md §3.2, packed per §3.3.
+def encode_v(x: ArrayLike, bits: int, encoder: str = "matched_norm") -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
+    """V encoder, packed per FORMAT.md §3.3: matched-norm (§3.2, the default) or the MSE scale search.
 
     ``x``: float32 or bfloat16 ``[..., n]`` with ``n % 16 == 0`` (elements). Returns ``(data, scales)``:
     uint8 ``[..., n·b/8]`` packed codes and uint8 ``[..., n/16]`` E4M3 scale bytes. Every step is one
     float32 numpy operation and the sums run sequentially over i = 0..15, as in the original engine.
+    ``encoder="mse"`` selects `_encode_v_mse_groups` (same byte format, same decoder; never the default).
     """
     _check_bits(bits)
+    if encoder not in V_ENCODERS:
+        raise ValueError(f"encoder must be one of {', '.join(V_ENCODERS)}, got {encoder!r}")
     x = np.asarray(x).astype(np.float32)
     n = x.shape[-1]
     if n % GROUP_ELEMS != 0:
         raise ValueError(f"last axis must be a multiple of {GROUP_ELEMS} elements, got {n}")
     xg = x.reshape(*x.shape[:-1], n // GROUP_ELEMS, GROUP_ELEMS)
+    if encoder == "mse":
+        codes, scale_bytes = _encode_v_mse_groups(xg.reshape(-1, GROUP_ELEMS), bits)
+        return (pack_codes(codes.reshape(x.shape), bits),
+                scale_bytes.reshape(xg.shape[:-1]))
     group_shape = xg.shape[:-1]
     levels = CODEBOOKS[bits]
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
@@ -214,6 +222,125 @@ def decode_v(data: ArrayLike, scales: ArrayLike, bits: int) -> NDArray[np.float3
         raise ValueError(f"{n} codes need {n // GROUP_ELEMS} scale bytes, got {scale.shape[-1]}")
     values = CODEBOOKS[bits][codes].reshape(*codes.shape[:-1], n // GROUP_ELEMS, GROUP_ELEMS)
     return (values * scale[..., None]).reshape(codes.shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The MSE-optimal V encoder (an option allowed by FORMAT.md §3.2; same bytes format, same decoder)
+# ---------------------------------------------------------------------------------------------------
+V_ENCODERS = ("matched_norm", "mse")
+"""Values of `encode_v`'s ``encoder``; the first is the default (FORMAT.md §3.2)."""
+MSE_CANDIDATE_BYTES: NDArray[np.uint8] = np.arange(0x00, 0x7F, dtype=np.uint8)
+"""Scale bytes the MSE encoder tries, in this (ascending) order: 0x00 (zero) and every positive finite
+E4M3 byte 0x01 ... 0x7E (2^-9 ... 448)."""
+
+
+def _encode_v_mse_groups(xg: NDArray[np.float32], bits: int) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
+    """MSE scale search over float32 groups ``[G, 16]``; returns codes ``[G, 16]`` and scale bytes ``[G]``.
+
+    The exact rule (a kernel must reproduce it byte for byte; all float32, round to nearest, no FMA):
+      for every candidate byte ``c`` in 0x00, 0x01, ..., 0x7E, in that order, with ``s = float(E4M3(c))``:
+        ``y_i = x_i / s`` (IEEE division) for c ≠ 0; ``y_i = x_i`` for c = 0x00 (scale 1: codes only;
+            they are multiplied by zero on read);
+        ``code_i`` = number of bounds ``β`` with ``y_i ≥ β`` (the §3.2 step-3 rule: nearest level per the
+            written bounds, a value on a bound takes the upper level, ±0 the smallest positive level);
+        ``t_i = level[code_i] · s``; ``d_i = x_i − t_i``; ``err = ((0 + d_0·d_0) + d_1·d_1) + … + d_15·d_15``
+            (each product and each sum rounded to float32, sequentially over i = 0..15);
+      keep the candidate when ``err < best`` (strict; ``best`` starts at +inf), so ties go to the smaller byte.
+    0x00 reconstructs exact zeros (its error is ``Σ x_i²``), so an all-zero group gets byte 0x00 and codes
+    2^(b−1), as matched-norm gives it. A group with no finite error — one holding NaN or ±inf, or one so
+    large that every ``err`` overflows — gets the matched-norm encoder's codes and byte (NaN → scale 0x7F,
+    reads back as NaN; ±inf → saturated 448).
+    """
+    levels, bounds = CODEBOOKS[bits], BOUNDS[bits]
+    num_groups = xg.shape[0]
+    scales = e4m3_decode(MSE_CANDIDATE_BYTES)
+    best_err = np.full(num_groups, np.inf, dtype=np.float32)
+    best_byte = np.zeros(num_groups, dtype=np.uint8)
+    best_codes = np.zeros((num_groups, GROUP_ELEMS), dtype=np.uint8)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for byte, s in zip(MSE_CANDIDATE_BYTES, scales):
+            y = xg if byte == 0 else xg / s
+            codes = np.searchsorted(bounds, y, side="right").astype(np.uint8)  # #{β ≤ y}; NaN: groups fall back
+            err = np.zeros(num_groups, dtype=np.float32)
+            for i in range(GROUP_ELEMS):
+                d = xg[:, i] - levels[codes[:, i]] * s
+                err = err + d * d
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_byte = np.where(better, byte, best_byte)
+            best_codes[better] = codes[better]
+    fallback = ~np.isfinite(best_err)
+    if np.any(fallback):
+        data, fb_scales = encode_v(xg[fallback].reshape(-1), bits)
+        best_codes[fallback] = unpack_codes(data, bits).reshape(-1, GROUP_ELEMS)
+        best_byte[fallback] = fb_scales
+    return best_codes, best_byte.astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The optional rotation (FORMAT.md §6)
+# ---------------------------------------------------------------------------------------------------
+ROTATION_DIMS = (128, 256, 512)
+"""Head dims with fixed rotation signs, FORMAT.md §6."""
+_SIGN_WORDS: dict[str, tuple[int, ...]] = {
+    "S1_128": (0x42F85949E46A0359, 0x49F250A9A4C63BBB),
+    "S2_128": (0x3F628FDC16ACEE90, 0xBEA56562B7A5357A),
+    "S1_256": (0xFE5483E8C028BDDD, 0x9A94A01800B54509, 0xDBBF19A357DE2FF8, 0xEBDA40343AFE2DC7),
+    "S2_256": (0x7682761DE85431D9, 0x8A4336C9A7532CC2, 0x65C15681E40C84FD, 0x4B75DB54555AACC1),
+    "S2_512": (0x5B0E056556746A09, 0x33754D8471316A21, 0x491196087363B6E8, 0x74E09D969DFA1143,
+               0xD49B9E8DFD26399E, 0x3E65CA562BF53DB5, 0xAD67A2B67F01D99C, 0x3A6CBE9800803A7B),
+}
+_SIGN_WORDS["S1_512"] = _SIGN_WORDS["S1_256"] + _SIGN_WORDS["S2_256"]
+
+
+def _check_rotation_dim(head_dim: int) -> None:
+    if head_dim not in ROTATION_DIMS:
+        raise ValueError(f"the rotation is defined for head_dim {ROTATION_DIMS}, got {head_dim}")
+
+
+def rotation_signs(head_dim: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """``(S1, S2)`` as float64 ±1 vectors of length ``head_dim``, FORMAT.md §6 (bit i set ⇔ −1)."""
+    _check_rotation_dim(head_dim)
+    out = []
+    for name in ("S1", "S2"):
+        words = _SIGN_WORDS[f"{name}_{head_dim}"]
+        bits = [(words[i // 64] >> (i % 64)) & 1 for i in range(head_dim)]
+        out.append(np.where(np.array(bits) == 1, -1.0, 1.0))
+    return out[0], out[1]
+
+
+def hadamard(n: int) -> NDArray[np.float64]:
+    """Sylvester Hadamard matrix ``H[i][j] = (−1)^popcount(i & j)``, float64 ``[n, n]`` (n a power of 2)."""
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"n must be a power of two, got {n}")
+    i = np.arange(n, dtype=np.int64)
+    anded = i[:, None] & i[None, :]
+    parity = np.zeros_like(anded)
+    while np.any(anded):
+        parity ^= anded & 1
+        anded >>= 1
+    return np.where(parity == 1, -1.0, 1.0)
+
+
+def rotate(x: ArrayLike, head_dim: int) -> NDArray[np.float64]:
+    """``y = S2 · (H/√D) · S1 · x`` over the last axis (``head_dim`` elements, one head), FORMAT.md §6.
+
+    Computed in float64 (a matrix product, so no bit-exactness is claimed); returns float64.
+    """
+    s1, s2 = rotation_signs(head_dim)
+    x = np.asarray(x).astype(np.float64)
+    if x.shape[-1] != head_dim:
+        raise ValueError(f"last axis must be head_dim = {head_dim}, got {x.shape[-1]}")
+    return ((x * s1) @ hadamard(head_dim)) / np.sqrt(head_dim) * s2
+
+
+def unrotate(y: ArrayLike, head_dim: int) -> NDArray[np.float64]:
+    """Inverse of `rotate`: ``x = S1 · (H/√D) · S2 · y`` over the last axis, in float64."""
+    s1, s2 = rotation_signs(head_dim)
+    y = np.asarray(y).astype(np.float64)
+    if y.shape[-1] != head_dim:
+        raise ValueError(f"last axis must be head_dim = {head_dim}, got {y.shape[-1]}")
+    return ((y * s2) @ hadamard(head_dim)) / np.sqrt(head_dim) * s1
 
 
 # ---------------------------------------------------------------------------------------------------
