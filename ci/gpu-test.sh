@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite, on a machine with a CUDA GPU: install for that GPU's architecture, run every
-# test, then the GPU tests under compute-sanitizer (memcheck, racecheck).
+# test, then the GPU tests under compute-sanitizer (memcheck, racecheck,
+# initcheck, synccheck).
 # Usage: ci/gpu-test.sh [LOG_DIR]     (FP8KTURBOV_CUDA_ARCHITECTURES overrides the architecture)
 # Set FP8KTURBOV_SKIP_INSTALL=1 to test the package already installed.
 set -uo pipefail
@@ -20,7 +21,7 @@ fi
 status=0
 python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log_dir/pytest.log" | tail -n 15 \
   || status=1
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck initcheck synccheck; do
   echo "== compute-sanitizer --tool $tool"
   compute-sanitizer --tool "$tool" --error-exitcode 9 \
     python3 -m pytest tests -m gpu -q -x -p no:cacheprovider ${SANITIZER_PYTEST_ARGS:-} \
