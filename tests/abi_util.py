@@ -5,8 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import fp8kturbov
 from conftest import gpu_unavailable_reason
+from fp8kturbov import Status
 from fp8kturbov._lib import lib
+
+#: The exception class each failing status must raise in Python (the package's contract).
+EXCEPTIONS = {
+    Status.INVALID_VALUE: fp8kturbov.InvalidValueError,
+    Status.NULL_POINTER: fp8kturbov.NullPointerError,
+    Status.MISALIGNED: fp8kturbov.MisalignedError,
+    Status.NOT_SUPPORTED: fp8kturbov.NotSupportedError,
+    Status.BAD_STRUCT_SIZE: fp8kturbov.BadStructSizeError,
+    Status.CUDA_ERROR: fp8kturbov.CudaError,
+}
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import pytest
 
 import fp8kturbov
-from abi_util import EntryPoint, last_error, no_gpu
+from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu
 from fp8kturbov import Status, _lib
 from fp8kturbov._lib import lib
 
@@ -37,14 +37,6 @@ HEADER = REPO / "cuda" / "include" / "fp8kturbov.h"
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 
-EXCEPTIONS = {
-    Status.INVALID_VALUE: fp8kturbov.InvalidValueError,
-    Status.NULL_POINTER: fp8kturbov.NullPointerError,
-    Status.MISALIGNED: fp8kturbov.MisalignedError,
-    Status.NOT_SUPPORTED: fp8kturbov.NotSupportedError,
-    Status.BAD_STRUCT_SIZE: fp8kturbov.BadStructSizeError,
-    Status.CUDA_ERROR: fp8kturbov.CudaError,
-}
 
 
 # ---- The header, parsed ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fp8kturbov  # noqa: E402
-from abi_util import EntryPoint, last_error, no_gpu  # noqa: E402
+from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu  # noqa: E402
 from conftest import gpu_unavailable_reason  # noqa: E402
 from fp8kturbov import Status, _lib  # noqa: E402
 from fp8kturbov._lib import lib  # noqa: E402
@@ -64,14 +64,6 @@ V_BITS = (2, 3, 4)
 DECODE_HEAD_DIMS = (64, 128, 256, 512)  # docs/api.md: the head dims decode supports
 V, NULL, MIS, UNSUP = Status.INVALID_VALUE, Status.NULL_POINTER, Status.MISALIGNED, Status.NOT_SUPPORTED
 STATUS_VALUES = {int(s) for s in Status}
-EXCEPTIONS = {
-    Status.INVALID_VALUE: fp8kturbov.InvalidValueError,
-    Status.NULL_POINTER: fp8kturbov.NullPointerError,
-    Status.MISALIGNED: fp8kturbov.MisalignedError,
-    Status.NOT_SUPPORTED: fp8kturbov.NotSupportedError,
-    Status.BAD_STRUCT_SIZE: fp8kturbov.BadStructSizeError,
-    Status.CUDA_ERROR: fp8kturbov.CudaError,
-}
 
 # About 3 ms an example: the whole file runs in about 15 s. FP8KTURBOV_FUZZ_SCALE=10 runs ten times as
 # many examples (a deeper, slower search).
