@@ -392,18 +392,6 @@ WRITE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", list(WRITE_ERRORS))
-def test_write_rejects_and_names_the_argument(make, launches, case):
-    argument, build, found = WRITE_ERRORS[case]
-    args = write_args(make)
-    args[argument] = build(make)
-    with pytest.raises(ArgumentError) as error:
-        fp8kturbov.write_kv(cache=make_cache(), **args)
-    assert error.value.argument == argument
-    assert found in error.value.found and error.value.message.startswith(f"{argument}: ")
-    assert launches == []
-
-
 DECODE_ERRORS = {
     "q dtype": ("q", lambda m: m((S, HQ, D), "float32"), "dtype float32"),
     "q 2-D": ("q", lambda m: m((S, HQ * D), "bfloat16"), "shape"),
@@ -428,13 +416,20 @@ DECODE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", list(DECODE_ERRORS))
-def test_decode_rejects_and_names_the_argument(make, launches, case):
-    argument, build, found = DECODE_ERRORS[case]
-    args = decode_args(make)
+# (operation, its valid arguments, its error cases), for the one test below.
+OPERATIONS = {"write": (fp8kturbov.write_kv, write_args, WRITE_ERRORS),
+              "decode": (fp8kturbov.paged_decode, decode_args, DECODE_ERRORS)}
+
+
+@pytest.mark.parametrize("op, case", [(op, case) for op, (_, _, errors) in OPERATIONS.items()
+                                      for case in errors])
+def test_rejects_and_names_the_argument(make, launches, op, case):
+    call, valid_args, errors = OPERATIONS[op]
+    argument, build, found = errors[case]
+    args = valid_args(make)
     args[argument] = build(make)
     with pytest.raises(ArgumentError) as error:
-        fp8kturbov.paged_decode(cache=make_cache(), **args)
+        call(cache=make_cache(), **args)
     assert error.value.argument == argument
     assert found in error.value.found and error.value.message.startswith(f"{argument}: ")
     assert launches == []
