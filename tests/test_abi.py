@@ -466,10 +466,18 @@ BAD = [
         text=lambda a: (f"v_data_section_bytes + the scale section ({a['v_data_section_bytes']} + ",)),
     Bad("v_page_stride_unaligned", _add("v_block_stride_bytes", 7), status=MISALIGNED,
         named=("v_block_stride_bytes",), ops=("decode",), text=lambda a: ("not a multiple of",)),
+    Bad("v_data_unaligned", lambda a: {"v_data_section_bytes": a["v_data_section_bytes"] + 5,
+                                       "v_block_stride_bytes": a["v_block_stride_bytes"] + 16},
+        status=MISALIGNED, named=("v_data_section_bytes",), ops=("decode",), text=lambda a: ("multiple of 4",)),
     Bad("v_data_wraps", _set(v_data_section_bytes=U64_MAX),
         text=lambda a: ("v_data_section_bytes", str(U64_MAX))),
     *[Bad(f"k_scale_{v}", _set(k_scale=v), named=("k_scale",)) for v in (0.0, -0.0, -1.0, math.nan, math.inf)],
     *[Bad(f"inv_sqrt_d_{v}", _set(inv_sqrt_d=v), named=("inv_sqrt_d",)) for v in (math.nan, math.inf, -math.inf)],
+    # FORMAT §2 multiplies by 1/k_scale (the write) and §5 by inv_sqrt_d · k_scale (the decode).
+    Bad("k_scale_reciprocal_overflows", _set(k_scale=1e-39), named=("k_scale",), ops=("write",),
+        text=lambda a: ("1/k_scale overflows",)),
+    Bad("score_scale_overflows", _set(inv_sqrt_d=1e30, k_scale=1e30), ops=("decode",),
+        text=lambda a: ("inv_sqrt_d * k_scale = ",)),
     *[Bad(f"sparse_v_threshold_{v}", _set(sparse_v_threshold=v), named=("sparse_v_threshold",))
       for v in (-1e-3, math.nan, math.inf)],
     *[Bad(f"v_bits_{v}", _set(v_bits=v), named=("v_bits",)) for v in (0, 1, 5)],
@@ -523,10 +531,13 @@ GOOD = [
     Case("one_kv_head", shape={"num_kv_heads": 1}),
     *[Case(f"v_bits_{b}", shape={"v_bits": b}) for b in (2, 3, 4)],
     Case("padded_k_pages", _add("k_block_stride_bytes", 16)),
-    Case("padded_v_pages", lambda a: {"v_data_section_bytes": a["v_data_section_bytes"] + 5,
+    Case("padded_v_pages", lambda a: {"v_data_section_bytes": a["v_data_section_bytes"] + 4,
                                       "v_block_stride_bytes": a["v_block_stride_bytes"] + 16}),
-    # The write reads V bytewise; the decode loads wider words and wants aligned pages.
+    # The write reads V bytewise; the decode copies 4 bytes at least and wants aligned pages.
     Case("odd_v_pages", lambda a: {"v_block_stride_bytes": a["v_block_stride_bytes"] + 7}, ops=("write",)),
+    Case("odd_v_data_section", lambda a: {"v_data_section_bytes": a["v_data_section_bytes"] + 5,
+                                          "v_block_stride_bytes": a["v_block_stride_bytes"] + 16},
+         ops=("write",)),
     Case("k_stride_0_means_packed", _set(k_block_stride_bytes=0), ops=("decode",)),
     Case("mha", lambda a: {"num_q_heads": a["num_kv_heads"]}),
     Case("gqa_8", lambda a: {"num_q_heads": 8 * a["num_kv_heads"], "q_stride": 8 * a["q_stride"]}),
@@ -534,7 +545,8 @@ GOOD = [
     *[Case(f"inv_sqrt_d_{v}", _set(inv_sqrt_d=v)) for v in (0.0, -0.5, 1e30)],
     Case("long_window", _set(sliding_window=U32_MAX)),
     Case("exact_sparse_v", _set(sparse_v_threshold=0.0)),
-    *[Case(f"k_scale_{v}", _set(k_scale=v)) for v in (1e-45, 3e38)],
+    Case("k_scale_1e-45", _set(k_scale=1e-45), ops=("decode",)),
+    Case("k_scale_3e38", _set(k_scale=3e38)),
 ]
 GOOD_CASES = [pytest.param(entry, case, id=f"{entry}-{case.id}")
               for entry in ENTRIES for case in GOOD if case.applies(entry)]

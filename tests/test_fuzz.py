@@ -188,7 +188,11 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
     e.rule(nkv == 0, V, "num_kv_heads = ")
     e.rule(bs == 0, V, "block_size = ")
     k_scale = f32(a["k_scale"])
-    e.rule(not (math.isfinite(k_scale) and k_scale > 0), V, "k_scale = ")
+    k_scale_ok = math.isfinite(k_scale) and k_scale > 0
+    e.rule(not k_scale_ok, V, "k_scale = ")
+    with np.errstate(over="ignore"):
+        e.rule(op == "write" and k_scale_ok and not np.isfinite(np.float32(1) / np.float32(k_scale)),
+               V, "k_scale = ")
     if op == "write":
         e.rule(row > U32_MAX, V, "num_kv_heads * head_dim = ")
         for name in ("key_stride", "value_stride"):
@@ -204,11 +208,19 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         e.rule(nq == 0, V, "num_q_heads = ")
         e.rule(nkv > 0 and nq % nkv != 0, V, "num_q_heads = ", decided=nkv > 0)
         e.rule(nq > 65535, V, "num_q_heads = ")
-        e.rule(a["num_seqs"] > I32_MAX, V, "num_seqs = ")
+        if nkv > 0 and 0 < nq <= 65535 and nq % nkv == 0:  # one CTA per (sequence, KV head, 8 heads)
+            e.rule(a["num_seqs"] * nkv * -(-(nq // nkv) // 8) > I32_MAX, V, "num_seqs = ")
+        else:
+            e.rule(a["num_seqs"] > I32_MAX, V, "num_seqs = ", decided=False)
         e.rule(mb == 0, V, "max_blocks_per_seq = ")
         e.rule(mb * bs > I32_MAX, V, "max_blocks_per_seq * block_size = ")
         e.rule(a["q_stride"] < nq * hd, V, "q_stride = ")
-        e.rule(not math.isfinite(f32(a["inv_sqrt_d"])), V, "inv_sqrt_d = ")
+        inv_sqrt_d = f32(a["inv_sqrt_d"])
+        e.rule(not math.isfinite(inv_sqrt_d), V, "inv_sqrt_d = ")
+        with np.errstate(over="ignore"):
+            e.rule(k_scale_ok and math.isfinite(inv_sqrt_d)
+                   and not np.isfinite(np.float32(inv_sqrt_d) * np.float32(k_scale)),
+                   V, "inv_sqrt_d * k_scale = ")
         sparse = f32(get("sparse_v_threshold", 1e-3))
         e.rule(not (math.isfinite(sparse) and sparse >= 0), V, "sparse_v_threshold = ")
         shape_ok = bits_ok and hd_built and nkv > 0 and bs > 0 and 0 < nq <= 65535 and nq % nkv == 0
@@ -224,11 +236,10 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
     e.rule(v_data_bytes < v_data, V, "v_data_section_bytes = ", decided=shape_ok)
     e.rule(v_data_bytes + v_scales > v_stride, V, "v_block_stride_bytes = ", decided=shape_ok)
     if op == "decode":
-        # The V loads are at most 8 bytes wide, and packed pages are always aligned for them.
-        if v_stride % 8 != 0 and not (shape_ok and v_stride == v_data + v_scales):
-            e.possible.append((MIS, "v_block_stride_bytes = "))
-        if get("v_cache") % 8 != 0:
-            e.possible.append((MIS, "v_cache = "))
+        # The decode copies V in pieces of 4 bytes at least (docs/api.md).
+        e.rule(v_stride % 4 != 0, MIS, "v_block_stride_bytes = ")
+        e.rule(v_data_bytes % 4 != 0, MIS, "v_data_section_bytes = ")
+        e.rule(get("v_cache") % 4 != 0, MIS, "v_cache = ")
     if not query and a[WORK[op]] > 0:
         nulls = [p for p in POINTERS[op] if not get(p)]
         assert nulls == POINTERS[op], "the fuzz only calls with work when every pointer is NULL"
@@ -299,10 +310,12 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
     row = num_kv_heads * head_dim
     k_page = block_size * row
     v_data = k_page * bits // 8
-    v_data_pad = draw(st.sampled_from([0, 8]))  # multiples of 8 keep the decode's V loads aligned
+    v_data_pad = draw(st.sampled_from([0, 8]))  # multiples of 4 keep the decode's V copies aligned
     args: dict[str, Any] = dict.fromkeys(POINTERS[entry.op] + ["workspace"], 0)
     args.update(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, v_bits=bits,
-                k_scale=draw(st.floats(2.0**-149, FLT_MAX, width=32)),
+                # valid: the write needs a finite 1/k_scale, the decode a finite inv_sqrt_d · k_scale
+                k_scale=draw(st.floats(2.0**-126 if entry.op == "write" else 2.0**-149,
+                                       FLT_MAX if entry.op == "write" else 2.0**40, width=32)),
                 v_data_section_bytes=v_data + v_data_pad,
                 v_block_stride_bytes=v_data + v_data_pad + k_page // 16 + draw(st.sampled_from([0, 8, 64])))
     if entry.op == "write":
@@ -313,7 +326,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
         num_q_heads = num_kv_heads * draw(st.integers(1, 8))
         args.update(num_seqs=draw(work), num_q_heads=num_q_heads,
                     max_blocks_per_seq=draw(st.integers(1, 1024)),
-                    inv_sqrt_d=draw(st.floats(-FLT_MAX, FLT_MAX, width=32)),
+                    inv_sqrt_d=draw(st.floats(-(2.0**80), 2.0**80, width=32)),
                     q_stride=num_q_heads * head_dim + draw(st.integers(0, 64)),
                     sliding_window=draw(st.one_of(st.sampled_from(U32_EDGES), st.integers(0, U32_MAX))),
                     k_block_stride_bytes=draw(st.sampled_from([0, k_page, k_page + 16])),

@@ -126,6 +126,10 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                 "value_stride = %u is smaller than a row (%" PRIu64 " elements)", p.value_stride,
                 row_elems);
   FP8KTURBOV_CHECK(check_k_scale(entry, p.k_scale));
+  // FORMAT §2 multiplies by 1/k_scale: below ~2^-128 that is inf and a zero key would become NaN.
+  if (!std::isfinite(1.0f / p.k_scale))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "k_scale = %g is too small: 1/k_scale overflows float", double(p.k_scale));
   FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
                                      p.k_block_stride_bytes, p.v_block_stride_bytes,
                                      p.v_data_section_bytes));
@@ -203,9 +207,13 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (p.num_q_heads > 65535)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_q_heads = %u exceeds 65535",
                 p.num_q_heads);
-  if (p.num_seqs > INT32_MAX)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_seqs = %u exceeds 2^31 - 1",
-                p.num_seqs);
+  // One CTA per (sequence, KV head, chunk of 8 query heads) at least; a grid holds < 2^31.
+  const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
+                             decode_chunks_per_group(p.num_q_heads, p.num_kv_heads);
+  if (base_ctas > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_seqs = %u needs %" PRIu64 " CTAs (num_seqs * num_kv_heads * ceil(group size / 8)), "
+                "more than 2^31 - 1", p.num_seqs, base_ctas);
   if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
   if (p.max_blocks_per_seq == 0)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_blocks_per_seq = 0");
@@ -223,6 +231,10 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (!std::isfinite(p.inv_sqrt_d))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "inv_sqrt_d = %g is not finite",
                 double(p.inv_sqrt_d));
+  if (!std::isfinite(p.inv_sqrt_d * p.k_scale))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "inv_sqrt_d * k_scale = %g * %g overflows float", double(p.inv_sqrt_d),
+                double(p.k_scale));
   if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "sparse_v_threshold = %g must be finite and >= 0", double(p.sparse_v_threshold));
@@ -231,42 +243,63 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
                                      *k_block_stride_bytes, p.v_block_stride_bytes,
                                      p.v_data_section_bytes));
-  const uint32_t v_align = decode_v_alignment(p.v_bits, p.head_dim);
-  if (p.v_block_stride_bytes % v_align != 0)
+  if (p.v_block_stride_bytes % kDecodeVAlignment != 0)
     return fail(FP8KTURBOV_STATUS_MISALIGNED, entry,
                 "v_block_stride_bytes = %" PRIu64 " is not a multiple of %u",
-                p.v_block_stride_bytes, v_align);
-  if (reinterpret_cast<uintptr_t>(p.v_cache) % v_align != 0)
+                p.v_block_stride_bytes, kDecodeVAlignment);
+  if (p.v_data_section_bytes % kDecodeVAlignment != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry,
+                "v_data_section_bytes = %" PRIu64 " is not a multiple of %u",
+                p.v_data_section_bytes, kDecodeVAlignment);
+  if (reinterpret_cast<uintptr_t>(p.v_cache) % kDecodeVAlignment != 0)
     return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "v_cache = %p is not %u-byte aligned",
-                p.v_cache, v_align);
+                p.v_cache, kDecodeVAlignment);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
-// The split plan: enough CTAs for about kDecodeCtasPerSm per multiprocessor, each split at least
-// kDecodeMinSplitTiles tiles long, and no split unless the workspace holds the partials.
-DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
-                       uint64_t workspace_bytes) {
-  DecodePlan plan{};
-  const uint32_t group_size = p.num_q_heads / p.num_kv_heads;
-  plan.chunks_per_group = (group_size + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
+// The split plan. The CTAs of a decode run in waves of multiprocessors * ctas_per_sm; a last wave
+// that is mostly empty leaves the GPU idle for its whole length. So the plan takes the fewest
+// context splits that fill the waves to kDecodeWaveFill (or the best filling within reach), each
+// split at least kDecodeMinSplitTiles tiles long, and no split unless the workspace holds the
+// partials. A pure function of the shape, the device and the workspace size.
+constexpr double kDecodeWaveFill = 0.95;
+
+uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
   const uint64_t table_positions = uint64_t(p.max_blocks_per_seq) * p.block_size;
   const uint64_t span = p.sliding_window > 0 && p.sliding_window < table_positions
                             ? p.sliding_window
                             : table_positions;
   // Tiles sit on multiples of 16 positions: an unaligned window start adds at most one tile.
-  const uint64_t tiles = (span + 2 * kDecodeTileTokens - 2) / kDecodeTileTokens;
+  return (span + 2 * kDecodeTileTokens - 2) / kDecodeTileTokens;
+}
+
+DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors, int ctas_per_sm,
+                       uint64_t workspace_bytes) {
+  DecodePlan plan{};
+  plan.chunks_per_group = decode_chunks_per_group(p.num_q_heads, p.num_kv_heads);
+  const uint64_t tiles = tiles_per_sequence(p);
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
-  const uint64_t target_ctas = uint64_t(multiprocessors) * kDecodeCtasPerSm;
-  uint64_t splits =
-      base_ctas > 0 && base_ctas < target_ctas ? (target_ctas + base_ctas - 1) / base_ctas : 1;
-  splits = std::min(splits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles));
+  const uint64_t slots = uint64_t(std::max(multiprocessors, 1)) * std::max(ctas_per_sm, 1);
+  const uint64_t max_splits = std::min<uint64_t>({kDecodeMaxSplits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles),
+                                                  INT32_MAX / std::max<uint64_t>(base_ctas, 1),
+                                                  (8 * slots + base_ctas - 1) / std::max<uint64_t>(base_ctas, 1)});
+  auto realized = [&](uint64_t splits) {  // splits of whole tiles, as the kernel cuts them
+    const uint64_t tiles_per_split = (tiles + splits - 1) / splits;
+    return (tiles + tiles_per_split - 1) / tiles_per_split;
+  };
+  auto fill = [&](uint64_t splits) {
+    const uint64_t ctas = base_ctas * realized(splits);
+    return double(ctas) / double((ctas + slots - 1) / slots * slots);
+  };
+  uint64_t splits = 1;
+  for (uint64_t candidate = 1; candidate <= max_splits && fill(splits) < kDecodeWaveFill; ++candidate)
+    if (fill(candidate) > fill(splits)) splits = candidate;
   const uint64_t tiles_per_split = (tiles + splits - 1) / splits;
-  plan.num_splits = uint32_t((tiles + tiles_per_split - 1) / tiles_per_split);
+  plan.num_splits = uint32_t(realized(splits));
   plan.split_tokens = int32_t(std::min<uint64_t>(tiles_per_split * kDecodeTileTokens, INT32_MAX));
   plan.workspace = static_cast<float*>(p.workspace);
   if (plan.num_splits > 1 &&
-      (decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim) > workspace_bytes ||
-       uint64_t(p.num_seqs) * plan.num_splits > INT32_MAX)) {
+      decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim) > workspace_bytes) {
     plan.num_splits = 1;
     plan.split_tokens = INT32_MAX;
   }
@@ -294,6 +327,25 @@ cudaError_t current_multiprocessors(int* count) {
   return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
 }
 
+cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, int* count) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+#define FP8KTURBOV_DECODE_CASE(BITS, HEAD_DIM) \
+  if (bits == BITS && head_dim == HEAD_DIM) return decode_ctas_per_sm<BITS, HEAD_DIM>(device, count);
+#include "dispatch_decode.inc"
+#undef FP8KTURBOV_DECODE_CASE
+  *count = 1;  // not built: the launch reports it
+  return cudaSuccess;
+}
+
+// The device facts a plan depends on: cached attribute and occupancy queries, no synchronisation.
+cudaError_t query_decode_device(const fp8kturbov_decode_params_t& p, int* multiprocessors, int* ctas_per_sm) {
+  const cudaError_t err = current_multiprocessors(multiprocessors);
+  if (err != cudaSuccess) return err;
+  return dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, ctas_per_sm);
+}
+
 }  // namespace
 
 fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& p,
@@ -314,11 +366,12 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
       return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "workspace = %p is not 16-byte aligned",
                   p.workspace);
   }
-  int multiprocessors = 0;
-  const cudaError_t query = current_multiprocessors(&multiprocessors);
+  int multiprocessors = 0, ctas_per_sm = 0;
+  const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
-  const DecodePlan plan = plan_decode(p, multiprocessors, p.workspace_bytes);
+  const DecodePlan plan = plan_decode(p, multiprocessors, ctas_per_sm, p.workspace_bytes);
   const FastDivider divider = fast_divider(p.block_size);
+  const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
 
   const DecodeArgs args{static_cast<const uint16_t*>(p.q),
                         static_cast<const uint8_t*>(p.k_cache),
@@ -339,7 +392,10 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                         p.v_block_stride_bytes,
                         p.v_data_section_bytes,
                         p.sliding_window,
-                        p.sparse_v_threshold};
+                        p.sparse_v_threshold,
+                        decode_v_code_copy_bytes(reinterpret_cast<uintptr_t>(p.v_cache),
+                                                 p.v_block_stride_bytes,
+                                                 v_data_section_bytes(1, row_elems, p.v_bits))};
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)
@@ -363,10 +419,10 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
   FP8KTURBOV_CHECK(validate_decode(entry, scalars, &k_block_stride_bytes));
   *workspace_bytes = 0;
   if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
-  int multiprocessors = 0;
-  const cudaError_t query = current_multiprocessors(&multiprocessors);
+  int multiprocessors = 0, ctas_per_sm = 0;
+  const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
-  const DecodePlan plan = plan_decode(p, multiprocessors, UINT64_MAX);
+  const DecodePlan plan = plan_decode(p, multiprocessors, ctas_per_sm, UINT64_MAX);
   *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim);
   return FP8KTURBOV_STATUS_SUCCESS;
 }

@@ -54,6 +54,7 @@ struct DecodeArgs {
   uint64_t v_data_section_bytes;
   uint32_t sliding_window;
   float sparse_v_threshold;
+  uint32_t v_code_copy_bytes;  // 16, 8 or 4: the widest V copy the pool address and strides allow
 };
 
 template <int BITS>
@@ -64,6 +65,8 @@ constexpr int kDecodeTileTokens = 16;   // positions per mma tile
 constexpr int kDecodeHeadsPerCta = 8;   // query heads of one GQA group per CTA
 constexpr int kDecodeCtasPerSm = 4;     // resident CTAs per multiprocessor the planner aims for
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
+constexpr int kDecodeMaxSplits = 1024;  // context splits per sequence at most
+constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode occupancy is cached
 
 // How a decode is split over CTAs (FORMAT §5 does not depend on it; rounding does, so a plan is
 // a pure function of the shape, the device's multiprocessor count and the workspace size).
@@ -74,6 +77,11 @@ struct DecodePlan {
   float* workspace;           // [num_seqs][num_q_heads][num_splits][head_dim + 2] when split
 };
 
+// CTAs per KV head: one per chunk of up to kDecodeHeadsPerCta query heads of its GQA group.
+inline uint32_t decode_chunks_per_group(uint32_t num_q_heads, uint32_t num_kv_heads) {
+  return (num_q_heads / num_kv_heads + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
+}
+
 // Workspace bytes a plan needs.
 inline uint64_t decode_workspace_bytes(const DecodePlan& plan, uint32_t num_seqs,
                                        uint32_t num_q_heads, uint32_t head_dim) {
@@ -81,15 +89,23 @@ inline uint64_t decode_workspace_bytes(const DecodePlan& plan, uint32_t num_seqs
   return uint64_t(num_seqs) * num_q_heads * plan.num_splits * (head_dim + 2) * sizeof(float);
 }
 
-// Alignment (bytes) the decode kernel's V code loads need from the V pool and its page stride:
-// 8 where a thread's code chunk is a multiple of 8 bytes, else 4 (packed pages always are).
-constexpr uint32_t decode_v_alignment(uint32_t bits, uint32_t head_dim) {
-  const uint32_t chunk_bytes = (head_dim < 128 ? head_dim : 128) / 8 * bits / 8;
-  return chunk_bytes % 8 == 0 ? 8 : 4;
+// Alignment (bytes) the decode kernel's V copies need from the V pool, its page stride and its
+// data section (the scale section's offset): they copy 4 bytes at least.
+constexpr uint32_t kDecodeVAlignment = 4;
+
+// The widest V code copy (16, 8 or 4 bytes) that a pool address and its strides allow.
+inline uint32_t decode_v_code_copy_bytes(uintptr_t v_cache, uint64_t v_block_stride_bytes,
+                                         uint64_t row_code_bytes) {
+  const uint64_t bits = uint64_t(v_cache) | v_block_stride_bytes | row_code_bytes;
+  return bits % 16 == 0 ? 16 : bits % 8 == 0 ? 8 : 4;
 }
 
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan,
                                 cudaStream_t stream);
+
+// Resident decode CTAs per multiprocessor of `device` (the current device), for the planner.
+template <int BITS, int HEAD_DIM>
+cudaError_t decode_ctas_per_sm(int device, int* count);
 
 }  // namespace fp8kturbov

@@ -6,17 +6,26 @@
 // a merge kernel combines them in a fixed order, so results are deterministic for a plan.
 //
 // Inside a CTA, 4 warps each own a d-slice of kSliceDim (<= 128) elements and a stream of 16-token
-// tiles; with head_dim > 128 several warps share one stream and sum their partial scores. Per tile
-// a warp computes S^T = K · Q^T (mma m16n8k16, tokens × heads) from FP8 bytes converted to fp16, the
-// online softmax in fp32, and O^T += V^T · P^T (d × heads) from codes looked up in a level table and
-// scaled per 16-element group. Any permutation of the reduction index of an mma is free, so each
-// thread loads whole 16-byte chunks of K rows and contiguous code bytes of V rows, and the query is
-// laid out in shared memory to match.
+// tiles; with head_dim > 128 several warps share one stream and sum their partial scores.
+//
+// Memory. Each warp streams its slice of its tiles through its own ring of kDecodeStages stages in
+// shared memory with cp.async (16-byte K copies, V code copies as wide as the pool layout allows),
+// so kDecodeStages - 1 tiles are in flight while one is computed and no register waits on a load.
+// The page ids travel through the same pipeline, kDecodeStages - 1 tiles ahead of the data, so the
+// block-table latency never stalls a copy.
+//
+// Compute. Per tile a warp computes S^T = K · Q^T (mma m16n8k16, tokens × heads) from FP8 bytes
+// converted to fp16, the online softmax in fp32, and O^T += V^T · P^T (d × heads) from codes
+// looked up in a level table and scaled per 16-element group. Any permutation of the reduction
+// index of an mma is free, so each thread reads whole 16-byte chunks of K rows and contiguous code
+// bytes of V rows, and the query is laid out in shared memory to match.
 #pragma once
 
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cfloat>
+#include <type_traits>
 
 #include "format.cuh"
 #include "kernel_args.h"
@@ -58,54 +67,112 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2_bits(uint32_t two_bytes) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
-// ---- Loads -------------------------------------------------------------------------------------
+// ---- Asynchronous copies (global -> shared, sm_80+) -----------------------------------------
 
-// Loads the BYTES code bytes at `src` into little-endian 32-bit words w[0..]. Chunks whose size is
-// a multiple of 4 are naturally aligned and loaded as they are; others (6 bytes for 3-bit codes
-// at head_dim 128, ...) are read as the aligned words that cover them and shifted into place, which
-// never reads past the 4-aligned end of the V row that holds them.
+// Copies BYTES (4, 8 or 16) from global to shared memory without passing through registers; a
+// row outside the attended range copies nothing and zero-fills its bytes (src-size 0).
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+  const uint32_t dst_addr = uint32_t(__cvta_generic_to_shared(dst));
+  const uint32_t src_bytes = valid ? BYTES : 0;
+  if constexpr (BYTES == 16) {  // streamed once: keep it out of L1
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src),
+                 "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_addr), "l"(src),
+                 "n"(BYTES), "r"(src_bytes));
+  }
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+// ---- Code reads from shared memory -------------------------------------------------------------
+
+// Reads the BYTES code bytes at `src` (shared memory) into little-endian 32-bit words w[0..].
+// Chunks whose size is a multiple of 4 are naturally aligned and read as they are; others (6
+// bytes for 3-bit codes at head_dim 128, ...) are read as the aligned words that cover them and
+// shifted into place, which never reads past the 4-aligned end of the row that holds them.
 template <int BYTES>
 struct CodeChunk {
   static constexpr int kNaturalAlign = BYTES % 8 == 0 ? 8 : BYTES % 4 == 0 ? 4 : BYTES % 2 == 0 ? 2 : 1;
   static constexpr int kMaxMisalign = kNaturalAlign >= 4 ? 0 : 4 - kNaturalAlign;
   static constexpr int kLoadWords = (BYTES + kMaxMisalign + 3) / 4;
-  static constexpr int kWords = (BYTES + 3) / 4 + 1;  // one spare zero word for code_at's funnel shift
+  static constexpr int kWords = (BYTES + 3) / 4 + 1;  // one spare zero word for code_chunk's funnel shift
 };
 
 template <int BYTES>
-__device__ __forceinline__ void load_code_bytes(const uint8_t* src, uint32_t (&w)[CodeChunk<BYTES>::kWords]) {
+__device__ __forceinline__ void read_code_bytes(const uint8_t* src, uint32_t (&w)[CodeChunk<BYTES>::kWords]) {
   using C = CodeChunk<BYTES>;
 #pragma unroll
   for (int i = 0; i < C::kWords; ++i) w[i] = 0;
   if constexpr (C::kNaturalAlign == 8) {
 #pragma unroll
     for (int i = 0; i < BYTES / 8; ++i) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(src) + i);
+      const uint2 v = reinterpret_cast<const uint2*>(src)[i];
       w[2 * i] = v.x;
       w[2 * i + 1] = v.y;
     }
   } else if constexpr (C::kNaturalAlign == 4) {
 #pragma unroll
-    for (int i = 0; i < BYTES / 4; ++i) w[i] = __ldg(reinterpret_cast<const uint32_t*>(src) + i);
+    for (int i = 0; i < BYTES / 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
   } else {
     const uintptr_t address = reinterpret_cast<uintptr_t>(src);
     const uint32_t* aligned = reinterpret_cast<const uint32_t*>(address & ~uintptr_t(3));
     const uint32_t shift = uint32_t(address & 3) * 8;
     uint32_t raw[C::kLoadWords + 1];
 #pragma unroll
-    for (int i = 0; i < C::kLoadWords; ++i) raw[i] = __ldg(aligned + i);
+    for (int i = 0; i < C::kLoadWords; ++i) raw[i] = aligned[i];
     raw[C::kLoadWords] = 0;
 #pragma unroll
     for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], shift);
   }
 }
 
-// Code of element `e` in a little-endian stream of BITS-bit codes (FORMAT §3.3: within a group the
-// codes are consecutive BITS-bit fields; the 3-bit triplets are the same stream).
+// Codes of two tokens A and B, paired: the level table below is indexed by a(e) | b(e) << BITS.
+// A thread's codes are consecutive BITS-bit fields (FORMAT §3.3: within a group the codes are one
+// little-endian stream; the 3-bit triplets are the same stream). They are taken in chunks of
+// kCodesPerChunk codes that lie whole in 32 bits (8 for 3 bits: 24 bits), and each chunk of A and
+// B becomes two words whose 2·BITS-bit fields are the pair indices of its even and its odd
+// elements: one select (LOP3) per word instead of two extractions per element.
+template <int BITS>
+struct CodePairs {
+  static constexpr int kCodesPerChunk = BITS == 3 ? 8 : 32 / BITS;
+  static constexpr uint32_t kFieldMask = (1u << BITS) - 1;
+  // The fields of the even elements of a chunk, where the pair index of element 2f lands.
+  static constexpr uint32_t even_fields() {
+    uint32_t m = 0;
+    for (int f = 0; f < kCodesPerChunk / 2; ++f) m |= kFieldMask << (2 * BITS * f);
+    return m;
+  }
+  static constexpr uint32_t kEven = even_fields();
+};
+
+// Chunk `c` of a code stream held in words w[] (bit 0 = first code of the stream).
 template <int BITS, int WORDS>
-__device__ __forceinline__ uint32_t code_at(const uint32_t (&w)[WORDS], int e) {
-  const int bit = e * BITS;
-  return __funnelshift_r(w[bit / 32], w[bit / 32 + 1], bit % 32) & ((1u << BITS) - 1);
+__device__ __forceinline__ uint32_t code_chunk(const uint32_t (&w)[WORDS], int c) {
+  const int bit = c * CodePairs<BITS>::kCodesPerChunk * BITS;
+  return bit % 32 == 0 ? w[bit / 32] : __funnelshift_r(w[bit / 32], w[bit / 32 + 1], bit % 32);
+}
+
+// Pair-index words of one chunk: pairs[0] holds a(2f) | b(2f) << BITS in field f, pairs[1] the
+// same for the odd elements 2f + 1 (fields of 2·BITS bits).
+template <int BITS>
+__device__ __forceinline__ void pair_words(uint32_t a, uint32_t b, uint32_t (&pairs)[2]) {
+  constexpr uint32_t kEven = CodePairs<BITS>::kEven;
+  pairs[0] = (a & kEven) | ((b << BITS) & ~kEven);
+  pairs[1] = ((a >> BITS) & kEven) | (b & ~kEven);
+}
+
+// Byte offset (4 × pair index) of the pair of field f in a pair-index word.
+template <int BITS>
+__device__ __forceinline__ uint32_t pair_offset(uint32_t pairs, int f) {
+  constexpr uint32_t kMask = ((1u << (2 * BITS)) - 1) << 2;
+  const int shift = 2 * BITS * f - 2;
+  return (shift >= 0 ? pairs >> shift : pairs << -shift) & kMask;
 }
 
 // Position -> (block, offset) by the runtime block size with a multiply and a shift
@@ -116,6 +183,9 @@ __device__ __forceinline__ void split_position(const DecodeArgs& a, uint32_t pos
   offset = pos - block * a.block_size;
 }
 
+// o / l, with l = 0 (no attended position) giving 0 (FORMAT §5) and a NaN l staying NaN.
+__device__ __forceinline__ float normalize(float o, float l) { return l == 0.0f ? 0.0f : o / l; }
+
 // ---- The kernel --------------------------------------------------------------------------------
 
 template <int BITS, int HEAD_DIM>
@@ -123,42 +193,63 @@ struct DecodeShape {
   static constexpr int kSliceDim = HEAD_DIM < 128 ? HEAD_DIM : 128;     // d handled by one warp
   static constexpr int kSlices = HEAD_DIM / kSliceDim;                   // warps sharing a stream
   static constexpr int kStreams = kDecodeWarps / kSlices;                // token streams per CTA
-  static constexpr int kKChunks = kSliceDim / 64;                        // 16-byte K loads per row
+  static constexpr int kKChunks = kSliceDim / 64;                        // 16-byte K reads per row
   static constexpr int kKSteps = kSliceDim / 16;                         // mma k-steps of Q·K
   static constexpr int kThreadDims = kSliceDim / 8;                      // V d-values per thread
   static constexpr int kMTiles = kSliceDim / 16;                         // mma m-tiles of P·V
   static constexpr int kCodeBytes = kThreadDims * BITS / 8;              // per token per thread
-  static constexpr int kScalesPerThread = kThreadDims >= 16 ? kThreadDims / 16 : 1;
   static_assert(kSliceDim % 64 == 0, "head_dim must be 64, 128, 256 or 512");
+
+  // One pipeline stage of a warp: its d-slice of one 16-token tile, as the pages hold it.
+  static constexpr int kKRowBytes = kSliceDim;
+  static constexpr int kCodeRowBytes = kSliceDim * BITS / 8;
+  static constexpr int kScaleRowBytes = kSliceDim / kGroupElems;
+  static constexpr int kStageKBytes = kTileTokens * kKRowBytes;
+  static constexpr int kStageCodeBytes = kTileTokens * kCodeRowBytes;
+  static constexpr int kStageScaleBytes = kTileTokens * kScaleRowBytes;
+  static constexpr int kStageBytes = kStageKBytes + kStageCodeBytes + kStageScaleBytes;
+  static_assert(kStageKBytes % 16 == 0 && kStageCodeBytes % 16 == 0, "stage sections stay 16-byte aligned");
+  // Widest copy of a V code row slice that the format's offsets allow (the runtime pool layout
+  // may allow less: DecodeArgs::v_code_copy_bytes).
+  static constexpr int kMaxCodeCopy = (HEAD_DIM * BITS / 8) % 16 == 0 ? 16 : (HEAD_DIM * BITS / 8) % 8 == 0 ? 8 : 4;
 };
 
-// Page ids of the rows a thread loads in a tile (fetched one tile ahead of the data, so that the
-// block-table latency never stalls the data loads); -1 marks rows outside the range.
-struct TilePages {
-  int32_t k[2];      // tokens g, g+8
-  int32_t v[4];      // tokens 2t, 2t+1, 2t+8, 2t+9
-  uint32_t offset0;  // page offset of the tile's first position (tiles within one page)
-};
+// Tiles in flight per warp: kDecodeStages - 1 are being copied while one is computed.
+constexpr int kDecodeStages = 4;
 
-// Per-tile register data of one thread: its K bytes, V codes and V scales.
+// Dynamic shared memory of one CTA (bytes): the fp16 query chunk, then the warps' stage rings
+// (reused for the per-stream outputs once the loop is done), then the warps' page-id rings.
 template <int BITS, int HEAD_DIM>
-struct TileRegs {
+struct DecodeSmem {
   using S = DecodeShape<BITS, HEAD_DIM>;
-  uint4 k[2][S::kKChunks];                       // rows g and g+8
-  uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];  // tokens 2t, 2t+1, 2t+8, 2t+9
-  uint32_t scales[4];                            // scale bytes of those tokens (packed)
+  static constexpr int kQRowElems = HEAD_DIM + 4;  // +4 halves: no bank conflicts
+  static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
+  static constexpr int kRingBytes = kDecodeWarps * kDecodeStages * S::kStageBytes;
+  static constexpr int kOutBytes = S::kStreams * kHeadsPerCta * HEAD_DIM * 4;
+  static constexpr int kRingOffset = kQBytes;
+  static constexpr int kPagesOffset = kRingOffset + (kRingBytes > kOutBytes ? kRingBytes : kOutBytes);
+  static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
+  static constexpr int kBytes = kPagesOffset + kPagesBytes;
+  static_assert(kQBytes % 16 == 0, "the ring starts 16-byte aligned");
 };
 
-template <int BITS, int HEAD_DIM>
+// CODE_COPY: bytes per V code copy, DecodeShape::kMaxCodeCopy where the pool layout allows it
+// (DecodeArgs::v_code_copy_bytes), else 4.
+template <int BITS, int HEAD_DIM, int CODE_COPY>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     paged_decode_kernel(const DecodeArgs a, const DecodePlan plan) {
   using S = DecodeShape<BITS, HEAD_DIM>;
-  __shared__ __align__(16) __half q_s[kHeadsPerCta][HEAD_DIM + 4];  // +4: no bank conflicts
-  __shared__ __align__(16) float o_s[S::kStreams][kHeadsPerCta][HEAD_DIM];
+  using L = DecodeSmem<BITS, HEAD_DIM>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem);
+  uint8_t* const ring = smem + L::kRingOffset;
+  auto o_s = reinterpret_cast<float(*)[kHeadsPerCta][HEAD_DIM]>(smem + L::kRingOffset);  // after the loop
+  int32_t* const page_ring = reinterpret_cast<int32_t*>(smem + L::kPagesOffset);
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
   __shared__ float denom_s[S::kStreams][kHeadsPerCta];
-  __shared__ __align__(16) float4 score_s[2][kDecodeWarps][32];
-  __shared__ __half level_s[1 << BITS];
+  __shared__ __align__(16) float4 score_s[2][kDecodeWarps][S::kSlices > 1 ? 32 : 1];
+  // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]).
+  __shared__ __align__(16) uint32_t level_pair_s[1 << (2 * BITS)];
   __shared__ float q_absmax_s[kDecodeWarps];
 
   const int tid = threadIdx.x;
@@ -170,11 +261,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int slice = warp % S::kSlices;
   const int slice_d0 = slice * S::kSliceDim;
 
-  const uint32_t seq = blockIdx.x / plan.num_splits;
-  const uint32_t split = blockIdx.x % plan.num_splits;
+  // CTA order: the chunks and KV heads of one (sequence, split) are neighbours, so the CTAs that
+  // read the same token rows of the pools run side by side and share their DRAM pages and sectors.
+  const uint32_t chunk = blockIdx.x % plan.chunks_per_group;
+  const uint32_t kv_head = blockIdx.x / plan.chunks_per_group % a.num_kv_heads;
+  const uint32_t seq_split = blockIdx.x / plan.chunks_per_group / a.num_kv_heads;
+  const uint32_t seq = seq_split / plan.num_splits;
+  const uint32_t split = seq_split % plan.num_splits;
   const uint32_t group_size = a.num_q_heads / a.num_kv_heads;
-  const uint32_t kv_head = blockIdx.y / plan.chunks_per_group;
-  const uint32_t chunk = blockIdx.y % plan.chunks_per_group;
   const uint32_t first_head = kv_head * group_size + chunk * kHeadsPerCta;
   const int num_heads = min(kHeadsPerCta, int(group_size - chunk * kHeadsPerCta));
 
@@ -193,22 +287,26 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int range_end = int(split_end < seq_len ? split_end : seq_len);
   const bool tile_in_one_page = a.block_size % kTileTokens == 0;
 
-  // Query chunk to fp16, scaled by a power of two so that its largest magnitude fits fp16's
-  // range; the factor is undone in the score scale (exact).
+  // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
+  // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
+  // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
   float q_absmax = 0.0f;
   for (int i = tid; i < num_heads * HEAD_DIM; i += kDecodeThreads) {
     const uint16_t bits =
         a.q[uint64_t(seq) * a.q_stride + uint64_t(first_head) * HEAD_DIM + i];
-    q_absmax = fmaxf(q_absmax, fabsf(__bfloat162float(__ushort_as_bfloat16(bits))));
+    const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(bits)));
+    if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
   if (lane == 0) q_absmax_s[warp] = q_absmax;
-  if (tid < (1 << BITS)) level_s[tid] = __float2half_rn(Codebook<BITS>::levels()[tid]);
+  for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
+    level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
   __syncthreads();
   q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
   int q_exp = 0;
-  if (q_absmax > 0.0f && q_absmax <= FLT_MAX) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
+  if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
+  q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
   const float q_gain = ldexpf(1.0f, 15 - q_exp);
   for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
     const int h = i / HEAD_DIM;
@@ -222,71 +320,112 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e).
   const float score_to_log2 = a.score_scale * kLog2e / q_gain;
 
-  const uint64_t row_elems = uint64_t(a.num_kv_heads) * HEAD_DIM;
-  const VPageLayout v_layout{row_elems * BITS / 8, row_elems / kGroupElems, a.v_data_section_bytes};
+  const uint32_t row_elems = a.num_kv_heads * HEAD_DIM;  // < 2^32, validated
+  const uint32_t row_code_bytes = row_elems / 8 * BITS;
+  const uint32_t row_scale_bytes = row_elems / kGroupElems;
   const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
-  // This thread's byte offsets inside a token row of the pools.
-  const uint64_t k_col = uint64_t(kv_head) * HEAD_DIM + slice_d0 + 16 * t;
+  // This warp's slice of a token row in each pool (bytes).
+  const uint64_t k_slice = uint64_t(kv_head) * HEAD_DIM + slice_d0;  // < 2^32
+  const uint64_t code_slice = k_slice * BITS / 8;
+  const uint64_t scale_slice = a.v_data_section_bytes + k_slice / kGroupElems;
   const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
-  const uint64_t v_code_col = (uint64_t(kv_head) * HEAD_DIM + thread_d0) * BITS / 8;
-  const uint64_t v_scale_col = (uint64_t(kv_head) * HEAD_DIM + thread_d0) / kGroupElems;
-  const int k_row_token[2] = {g, g + 8};
-  const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
 
   auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
-  // One table read per tile when a tile lies in one page, else one per row.
-  auto fetch_pages = [&](int tile_begin, TilePages& pages) {
-    uint32_t block, offset;
-    split_position(a, uint32_t(tile_begin), block, offset);
-    pages.offset0 = offset;
-    const int32_t tile_page = tile_in_one_page && tile_begin < range_end ? __ldg(table + block) : -1;
-    auto page_of = [&](int pos) {
-      if (!in_range(pos)) return -1;
-      if (tile_in_one_page) return tile_page;
-      uint32_t row_block, row_offset;
-      split_position(a, uint32_t(pos), row_block, row_offset);
-      return __ldg(table + row_block);
-    };
-#pragma unroll
-    for (int r = 0; r < 2; ++r) pages.k[r] = page_of(tile_begin + k_row_token[r]);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) pages.v[r] = page_of(tile_begin + v_row_token[r]);
-  };
-  auto page_offset = [&](int tile_begin, const TilePages& pages, int row_token) {
-    if (tile_in_one_page) return pages.offset0 + row_token;
-    uint32_t block, offset;
-    split_position(a, uint32_t(tile_begin + row_token), block, offset);
-    return offset;
-  };
 
-  auto load_tile = [&](int tile_begin, const TilePages& pages, TileRegs<BITS, HEAD_DIM>& r) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t offset = page_offset(tile_begin, pages, k_row_token[half]);
-      const bool valid = pages.k[half] >= 0;
-      const uint8_t* row = a.k_cache + uint64_t(valid ? pages.k[half] : 0) * a.k_block_stride_bytes +
-                           uint64_t(offset) * row_elems + k_col;
-#pragma unroll
-      for (int c = 0; c < S::kKChunks; ++c)
-        r.k[half][c] = valid ? __ldg(reinterpret_cast<const uint4*>(row + 64 * c)) : make_uint4(0, 0, 0, 0);
+  // ---- The copy pipeline: each warp streams its tiles through its own ring of stages ----------
+  const int first_tile = int(split_begin) + stream * kTileTokens;
+  const int tile_step = S::kStreams * kTileTokens;
+  // With d-slices, every warp runs the same number of iterations (a stream's last one may be
+  // fully masked) so that the score exchange can use a CTA-wide barrier.
+  const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
+                                                               tile_step * tile_step
+                                      : range_end;
+  const int num_tiles = loop_end > first_tile ? (loop_end - first_tile + tile_step - 1) / tile_step : 0;
+  uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
+  int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
+
+  // Page ids of tile k's rows into page slot k % kDecodeStages: one id per tile when a tile lies
+  // in one page, else one per row; rows outside the range get id 0 and are never read.
+  auto copy_page_ids = [&](int k) {
+    const int tile = first_tile + k * tile_step;
+    int32_t* dst = warp_pages + (k % kDecodeStages) * kTileTokens;
+    uint32_t block, offset;
+    if (tile_in_one_page) {
+      if (lane == 0) {
+        const bool valid = tile < range_end && tile + kTileTokens > range_begin;
+        split_position(a, uint32_t(tile), block, offset);
+        copy_async<4>(dst, valid ? table + block : table, valid);
+      }
+    } else if (lane < kTileTokens) {
+      const bool valid = in_range(tile + lane);
+      split_position(a, uint32_t(tile + lane), block, offset);
+      copy_async<4>(dst + lane, valid ? table + block : table, valid);
     }
+  };
+  // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
+  // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
+  // the fragment reads below hit all 32 banks.
+  auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
+  // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
+  // code path: the common one computes each pool's tile base once and each row with one IMAD.
+  auto copy_tile = [&](int k, auto one_page) {
+    constexpr bool kOnePage = decltype(one_page)::value;
+    const int tile = first_tile + k * tile_step;
+    const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
+    uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
+    uint32_t block, offset0;
+    split_position(a, uint32_t(tile), block, offset0);
+    const uint64_t page0 = uint32_t(pages[0]);
+    // Byte offset of the start of the tile's row `row` in a pool of the given page stride and
+    // row size (the sizes are < 2^32, validated).
+    auto row_start = [&](int row, uint64_t page_stride, uint32_t row_bytes) -> uint64_t {
+      if constexpr (kOnePage) return page0 * page_stride + uint64_t(offset0) * row_bytes + uint64_t(uint32_t(row)) * row_bytes;
+      uint32_t row_block, offset;
+      split_position(a, uint32_t(tile + row), row_block, offset);
+      return uint64_t(uint32_t(pages[row])) * page_stride + uint64_t(offset) * row_bytes;
+    };
+    constexpr int kKRowChunks = S::kKRowBytes / 16;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t offset = page_offset(tile_begin, pages, v_row_token[j]);
-      if (pages.v[j] >= 0) {
-        const uint8_t* page = a.v_cache + uint64_t(pages.v[j]) * a.v_block_stride_bytes;
-        load_code_bytes<S::kCodeBytes>(page + offset * v_layout.row_data_bytes + v_code_col, r.codes[j]);
-        const uint8_t* scale = page + v_layout.scale_offset(offset, 0) + v_scale_col;
-        uint32_t packed = 0;
+    for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
+      const int id = lane + 32 * j;
+      const int row = id / kKRowChunks;
+      const int chunk = id % kKRowChunks;
+      const bool valid = in_range(tile + row);
+      const uint8_t* src = a.k_cache + row_start(row, a.k_block_stride_bytes, row_elems) + k_slice + 16 * chunk;
+      copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
+    }
+    constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
 #pragma unroll
-        for (int s = 0; s < S::kScalesPerThread; ++s) packed |= uint32_t(__ldg(scale + s)) << (8 * s);
-        r.scales[j] = packed;
-      } else {
-#pragma unroll
-        for (int w = 0; w < CodeChunk<S::kCodeBytes>::kWords; ++w) r.codes[j][w] = 0;
-        r.scales[j] = 0;  // scale 0: the row contributes exact zeros
+    for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
+      const int id = lane + 32 * j;
+      if (id < kTileTokens * kCodeRowCopies) {
+        const int row = id / kCodeRowCopies;
+        const int part = id % kCodeRowCopies;
+        const bool valid = in_range(tile + row);
+        const uint8_t* src = a.v_cache + row_start(row, a.v_block_stride_bytes, row_code_bytes) + code_slice +
+                             CODE_COPY * part;
+        copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
+                              valid ? src : a.v_cache, valid);
       }
     }
+    // Scales: 4 or 8 bytes per row, in 4-byte copies.
+    constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
+    if (lane < kTileTokens * kScaleRowCopies) {
+      const int row = lane / kScaleRowCopies;
+      const int part = lane % kScaleRowCopies;
+      const bool valid = in_range(tile + row);
+      const uint8_t* src = a.v_cache + row_start(row, a.v_block_stride_bytes, row_scale_bytes) + scale_slice +
+                           4 * part;
+      copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
+                    valid ? src : a.v_cache, valid);
+    }
+  };
+
+  auto copy_tile_any = [&](int k) {
+    if (tile_in_one_page)
+      copy_tile(k, std::true_type{});
+    else
+      copy_tile(k, std::false_type{});
   };
 
   // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
@@ -296,37 +435,56 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
   for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  const int first_tile = int(split_begin) + stream * kTileTokens;
-  const int tile_step = S::kStreams * kTileTokens;
-  // Software pipeline: pages two tiles ahead, data one tile ahead of the compute.
-  TilePages pages_next, pages_after;
-  TileRegs<BITS, HEAD_DIM> cur;
-  fetch_pages(first_tile, pages_next);
-  load_tile(first_tile, pages_next, cur);  // rows out of range load as zeros
-  fetch_pages(first_tile + tile_step, pages_next);
-  int parity = 0;
-  // With d-slices, every warp runs the same number of iterations (a stream's last one may be
-  // fully masked) so that the score exchange can use a CTA-wide barrier.
-  const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
-                                                               tile_step * tile_step
-                                      : range_end;
-  for (int tile = first_tile; tile < loop_end; tile += tile_step, parity ^= 1) {
-    fetch_pages(tile + 2 * tile_step, pages_after);
-    TileRegs<BITS, HEAD_DIM> next;
-    load_tile(tile + tile_step, pages_next, next);
-    pages_next = pages_after;
+  // Prologue: the page ids of the first kDecodeStages - 1 tiles, then those tiles, each copy group
+  // also fetching the page ids that the copy kDecodeStages - 1 tiles later will need.
+  for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
+  copy_async_commit();
+  copy_async_wait<0>();
+  __syncwarp();
+  for (int k = 0; k < kDecodeStages - 1; ++k) {
+    __syncwarp();  // every lane has read page slot k - 1 before it is refilled
+    if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1);
+    if (k < num_tiles) copy_tile_any(k);
+    copy_async_commit();
+  }
 
+  const int k_row_token[2] = {g, g + 8};
+  const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+  int parity = 0;
+  for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
+    // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
+    // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
+    copy_async_wait<kDecodeStages - 2>();
+    __syncwarp();
+    if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
+    if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
+    copy_async_commit();
+
+    const int tile = first_tile + k * tile_step;
+    const uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
     // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 k_bytes[2][S::kKChunks];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = k_row_token[half];
+#pragma unroll
+      for (int c = 0; c < S::kKChunks; ++c)
+        k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, t + 4 * c));
+    }
+    // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
+    float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
     for (int j = 0; j < S::kKSteps; ++j) {
-      const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&cur.k[0][j / 4])[j % 4];
-      const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&cur.k[1][j / 4])[j % 4];
+      const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
+      const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
       const uint32_t a_frag[4] = {e4m3x2_to_half2_bits(k_lo & 0xFFFF), e4m3x2_to_half2_bits(k_hi & 0xFFFF),
                                   e4m3x2_to_half2_bits(k_lo >> 16), e4m3x2_to_half2_bits(k_hi >> 16)};
       const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
-      mma_16x8x16(s, a_frag, q_frag.x, q_frag.y);
+      mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
     }
+    float s[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
     if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
       score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
       __syncthreads();
@@ -339,7 +497,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       s[0] = total.x; s[1] = total.y; s[2] = total.z; s[3] = total.w;
     }
 
-    // Online softmax per head column; masked tokens get weight 0.
+    // Online softmax per head column; masked tokens get weight 0. A NaN score is not a maximum
+    // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
     const bool row_valid[2] = {in_range(tile + g), in_range(tile + g + 8)};
     float p[4];
     float alpha[2];
@@ -352,10 +511,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
       const float new_max = fmaxf(run_max[c], tile_max);
-      const bool any = new_max != -INFINITY;
-      alpha[c] = any ? exp2f(run_max[c] - new_max) : 1.0f;
-      p[c] = any ? exp2f(s0 - new_max) : 0.0f;
-      p[2 + c] = any ? exp2f(s1 - new_max) : 0.0f;
+      alpha[c] = new_max == -INFINITY ? 1.0f : exp2f(run_max[c] - new_max);
+      p[c] = s0 == -INFINITY ? 0.0f : exp2f(s0 - new_max);
+      p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
       run_max[c] = new_max;
       // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
       if (2 * t + c < num_heads) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
@@ -369,24 +527,42 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       run_denom[0] = run_denom[0] * alpha[0] + __low2float(lo) + __low2float(hi);
       run_denom[1] = run_denom[1] * alpha[1] + __high2float(lo) + __high2float(hi);
     }
+    // Once the maxima settle, alpha is exactly 1: skip the rescale when no lane needs it.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < S::kMTiles; ++i) {
-      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+      for (int i = 0; i < S::kMTiles; ++i) {
+        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+      }
     }
     const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
     if (!skip) {
       // P^T as the B operand: tokens (2t, 2t+1) and (2t+8, 2t+9) of head g.
       const uint32_t pb0 = transpose_8x8(p_lo);
       const uint32_t pb1 = transpose_8x8(p_hi);
-      // V scales as fp16 pairs of tokens (2t, 2t+1) and (2t+8, 2t+9), per group of this thread.
-      uint32_t scale_pair[2][S::kScalesPerThread];
+      // This thread's codes and scales of tokens 2t, 2t+1, 2t+8, 2t+9; scales as fp16 pairs of
+      // tokens (2t, 2t+1) and (2t+8, 2t+9).
+      uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
+      uint32_t scale_bytes[4];
 #pragma unroll
-      for (int s2 = 0; s2 < S::kScalesPerThread; ++s2) {
-        scale_pair[0][s2] = e4m3x2_to_half2_bits(((cur.scales[0] >> (8 * s2)) & 0xFF) |
-                                                 (((cur.scales[1] >> (8 * s2)) & 0xFF) << 8));
-        scale_pair[1][s2] = e4m3x2_to_half2_bits(((cur.scales[2] >> (8 * s2)) & 0xFF) |
-                                                 (((cur.scales[3] >> (8 * s2)) & 0xFF) << 8));
+      for (int j = 0; j < 4; ++j) {
+        const int row = v_row_token[j];
+        read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes + g * S::kCodeBytes, codes[j]);
+        scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
+                               g * S::kThreadDims / kGroupElems];
       }
+      const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
+                                      e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
+      // Pair-index words of tokens (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
+      using P = CodePairs<BITS>;
+      constexpr int kChunks = (S::kThreadDims + P::kCodesPerChunk - 1) / P::kCodesPerChunk;
+      uint32_t pairs[2][kChunks][2];
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+          pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
+      }
+      const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
 #pragma unroll
       for (int i = 0; i < S::kMTiles; ++i) {
         uint32_t a_frag[4];
@@ -394,17 +570,19 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         for (int r = 0; r < 4; ++r) {  // (d 2i, tokens 2t..), (d 2i+1, ..), (d 2i, 2t+8..), (d 2i+1, ..)
           const int e = 2 * i + (r & 1);
           const int pair = r >> 1;
-          const __half2 levels = __halves2half2(level_s[code_at<BITS>(cur.codes[2 * pair], e)],
-                                                level_s[code_at<BITS>(cur.codes[2 * pair + 1], e)]);
-          const uint32_t sp = scale_pair[pair][S::kScalesPerThread > 1 ? e / 16 : 0];
-          const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&sp));
+          const int local = e % P::kCodesPerChunk;
+          const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2);
+          const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
+          const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
           a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
         }
         mma_16x8x16(acc[i], a_frag, pb0, pb1);
       }
     }
-    cur = next;
   }
+  // The copies still in flight are of tiles past the end: drain them before the ring is reused.
+  copy_async_wait<0>();
+  __syncthreads();
 
   // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
 #pragma unroll
@@ -437,18 +615,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
     for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
     float o = 0.0f, l = 0.0f;
-    if (m != -INFINITY) {
 #pragma unroll
-      for (int st = 0; st < S::kStreams; ++st) {
-        const float w = exp2f(max_s[st][h] - m);
-        o += w * o_s[st][h][d];
-        l += w * denom_s[st][h];
-      }
+    for (int st = 0; st < S::kStreams; ++st) {
+      // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+      const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+      o += w * o_s[st][h][d];
+      l += w * denom_s[st][h];
     }
     const uint64_t row = uint64_t(seq) * a.num_q_heads + first_head + h;
     if (plan.num_splits == 1) {
-      // seq_len == 0 leaves the denominator at 0: the row is written as zeros (FORMAT §5).
-      a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(l > 0.0f ? o / l : 0.0f));
+      a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
     } else {
       float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
       part[d] = o;
@@ -460,38 +636,85 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   }
 }
 
-// Combines the splits' partials of one (sequence, query head) in split order.
+// Block-wide reductions of the merge kernel (THREADS a multiple of 32, <= 1024); every thread gets
+// the result. The order is fixed, so results are deterministic.
+template <int THREADS, typename Op>
+__device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  __syncthreads();  // scratch may still be read by an earlier reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < THREADS / 32; ++w) x = op(x, scratch[w]);
+  return x;
+}
+
+// Combines the splits' partials of one (sequence, query head): the splits' weights are computed
+// once, in parallel, then every thread sums its element over the splits with several loads in
+// flight.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
+  __shared__ float weight_s[kDecodeMaxSplits];
+  __shared__ float scratch[HEAD_DIM / 32];
   const uint64_t row = blockIdx.x;  // sequence * num_q_heads + head
-  const int d = threadIdx.x;
-  const float* parts = plan.workspace + row * plan.num_splits * (HEAD_DIM + 2);
+  const int tid = threadIdx.x;
+  const int num_splits = int(plan.num_splits);
+  const float* parts = plan.workspace + row * num_splits * (HEAD_DIM + 2);
   float m = -INFINITY;
-  for (uint32_t s = 0; s < plan.num_splits; ++s) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
-  float o = 0.0f, l = 0.0f;
-  if (m != -INFINITY) {
-    for (uint32_t s = 0; s < plan.num_splits; ++s) {
-      const float* part = parts + s * (HEAD_DIM + 2);
-      const float w = exp2f(part[HEAD_DIM] - m);
-      o += w * part[d];
-      l += w * part[HEAD_DIM + 1];
-    }
+  for (int s = tid; s < num_splits; s += HEAD_DIM) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
+  m = block_reduce<HEAD_DIM>(m, [](float x, float y) { return fmaxf(x, y); }, scratch);
+  float l = 0.0f;
+  for (int s = tid; s < num_splits; s += HEAD_DIM) {
+    const float* part = parts + s * (HEAD_DIM + 2);
+    const float w = m == -INFINITY ? 1.0f : exp2f(part[HEAD_DIM] - m);  // as in the stream merge
+    weight_s[s] = w;
+    l += w * part[HEAD_DIM + 1];
   }
-  a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(l > 0.0f ? o / l : 0.0f));
+  l = block_reduce<HEAD_DIM>(l, [](float x, float y) { return x + y; }, scratch);  // also publishes weight_s
+  float o = 0.0f;
+#pragma unroll 8
+  for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
+  a.output[row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
 }
 
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, cudaStream_t stream) {
-  const dim3 grid(args.num_seqs * plan.num_splits, args.num_kv_heads * plan.chunks_per_group);
+  constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
+  const void* kernel = args.v_code_copy_bytes >= kWideCopy
+                           ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy>)
+                           : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4>);
+  constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
+  // Set on every launch: the attribute belongs to the current device's copy of the kernel. It is
+  // not a stream operation, so launches stay capturable.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(args.num_seqs * plan.num_splits * args.num_kv_heads * plan.chunks_per_group);  // < 2^31
   DecodeArgs kernel_args = args;
   DecodePlan kernel_plan = plan;
   void* params[] = {&kernel_args, &kernel_plan};
-  cudaError_t err =
-      cudaLaunchKernel(reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM>), grid,
-                       dim3(kDecodeThreads), params, 0, stream);
+  err = cudaLaunchKernel(kernel, grid, dim3(kDecodeThreads), params, kSmemBytes, stream);
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   return cudaLaunchKernel(reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM>),
                           dim3(args.num_seqs * args.num_q_heads), dim3(HEAD_DIM), params, 0, stream);
+}
+
+template <int BITS, int HEAD_DIM>
+cudaError_t decode_ctas_per_sm(int device, int* count) {
+  // The answer depends on the device only: cached per device (0 = not asked yet).
+  static std::atomic<int> cached[kDecodeMaxCachedDevices] = {};
+  if (device >= 0 && device < kDecodeMaxCachedDevices && (*count = cached[device].load(std::memory_order_relaxed)) > 0)
+    return cudaSuccess;
+  constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
+  const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy>);
+  constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kDecodeThreads, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  if (*count < 1) *count = 1;
+  if (device >= 0 && device < kDecodeMaxCachedDevices) cached[device].store(*count, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 }  // namespace fp8kturbov
