@@ -132,9 +132,10 @@ class DecodeCase:
     """A random paged cache (written by the reference) with ragged sequences and a shuffled page
     table, plus queries and a poisoned output."""
 
-    def __init__(self, rng, bits, head_dim, group_size, window, *, q_gain=1.0, seq_lens=None):
+    def __init__(self, rng, bits, head_dim, group_size, window, *, q_gain=1.0, seq_lens=None,
+                 block_size=16, v_pad=16):
         self.bits, self.head_dim, self.window = bits, head_dim, window
-        self.num_kv_heads, self.block_size = 2, 16
+        self.num_kv_heads, self.block_size = 2, block_size
         self.num_q_heads = self.num_kv_heads * group_size
         self.seq_lens = np.array(seq_lens or [0, 1, 17, 100, 250, 64], dtype=np.int32)
         self.num_seqs = len(self.seq_lens)
@@ -145,7 +146,7 @@ class DecodeCase:
         # Padded K pages: exercises the K page stride the original ignored.
         self.k_stride = ref.k_page_bytes(self.block_size, self.num_kv_heads, head_dim) + 32
         self.v_data = ref.v_data_section_bytes(self.block_size, self.num_kv_heads, head_dim, bits)
-        self.v_stride = ref.v_page_bytes(self.block_size, self.num_kv_heads, head_dim, bits) + 16
+        self.v_stride = ref.v_page_bytes(self.block_size, self.num_kv_heads, head_dim, bits) + v_pad
         self.k_scale, self.inv_sqrt_d = 0.05, float(1 / np.sqrt(head_dim))
 
         pages = rng.permutation(self.num_blocks).astype(np.int32)
@@ -232,6 +233,21 @@ def test_long_contexts_split_over_ctas(device, rng, bits, head_dim, window):
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
     again = case.run(device, sparse_v_threshold=0.0)
     assert np.array_equal(got, again), "a fixed plan must give identical results"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("block_size, v_pad", [(16, 4), (1, 4), (8, 16), (24, 8)])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_decode_page_layouts(device, rng, bits, head_dim, block_size, v_pad, split):
+    """Block sizes that are not a multiple of 16 (a tile spans pages: page ids per row) and V page
+    strides that allow only 4- or 8-byte copies; without a split, the 3001-position sequence has
+    each warp stream more than 32 tiles (the page ids come in batches of 32 tiles)."""
+    case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=[3001, 1, 100, 250], block_size=block_size,
+                      v_pad=v_pad)
+    got = case.run(device, sparse_v_threshold=0.0, split=split)
+    err = relative_error_per_head(got, case.reference())
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

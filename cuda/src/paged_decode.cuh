@@ -77,10 +77,10 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, bool vali
   const uint32_t dst_addr = uint32_t(__cvta_generic_to_shared(dst));
   const uint32_t src_bytes = valid ? BYTES : 0;
   if constexpr (BYTES == 16) {  // streamed once: keep it out of L1
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src),
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src),
                  "r"(src_bytes));
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_addr), "l"(src),
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], %2, %3;\n" ::"r"(dst_addr), "l"(src),
                  "n"(BYTES), "r"(src_bytes));
   }
 }
@@ -92,7 +92,9 @@ __device__ __forceinline__ void copy_async_wait() {
 
 // ---- Code reads from shared memory -------------------------------------------------------------
 
-// Reads the BYTES code bytes at `src` (shared memory) into little-endian 32-bit words w[0..].
+// Reads the BYTES code bytes at byte `offset` of `row` (shared memory, 4-byte aligned) into
+// little-endian 32-bit words w[0..]. (Offsets, not a shifted address: the pointer must stay one
+// the compiler knows to be in shared memory.)
 // Chunks whose size is a multiple of 4 are naturally aligned and read as they are; others (6
 // bytes for 3-bit codes at head_dim 128, ...) are read as the aligned words that cover them and
 // shifted into place, which never reads past the 4-aligned end of the row that holds them.
@@ -105,8 +107,10 @@ struct CodeChunk {
 };
 
 template <int BYTES>
-__device__ __forceinline__ void read_code_bytes(const uint8_t* src, uint32_t (&w)[CodeChunk<BYTES>::kWords]) {
+__device__ __forceinline__ void read_code_bytes(const uint8_t* row, uint32_t offset,
+                                                uint32_t (&w)[CodeChunk<BYTES>::kWords]) {
   using C = CodeChunk<BYTES>;
+  const uint8_t* src = row + offset;
 #pragma unroll
   for (int i = 0; i < C::kWords; ++i) w[i] = 0;
   if constexpr (C::kNaturalAlign == 8) {
@@ -120,9 +124,8 @@ __device__ __forceinline__ void read_code_bytes(const uint8_t* src, uint32_t (&w
 #pragma unroll
     for (int i = 0; i < BYTES / 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
   } else {
-    const uintptr_t address = reinterpret_cast<uintptr_t>(src);
-    const uint32_t* aligned = reinterpret_cast<const uint32_t*>(address & ~uintptr_t(3));
-    const uint32_t shift = uint32_t(address & 3) * 8;
+    const uint32_t* aligned = reinterpret_cast<const uint32_t*>(row + (offset & ~3u));
+    const uint32_t shift = (offset & 3) * 8;
     uint32_t raw[C::kLoadWords + 1];
 #pragma unroll
     for (int i = 0; i < C::kLoadWords; ++i) raw[i] = aligned[i];
@@ -344,23 +347,31 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
   int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
 
-  // Page ids of tile k's rows into page slot k % kDecodeStages: one id per tile when a tile lies
-  // in one page, else one per row; rows outside the range get id 0 and are never read.
-  auto copy_page_ids = [&](int k) {
+  // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
+  // tile 32·b + j of this warp's stream (batch b) in a register, and the next batch is loaded 32
+  // tiles before it is needed. Otherwise the page ids of tile k's rows travel through the copy
+  // pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the data. Rows
+  // and tiles outside the range get page id 0 and are never read.
+  auto load_page_batch = [&](int batch) -> int32_t {
+    const int k = batch * 32 + lane;
     const int tile = first_tile + k * tile_step;
-    int32_t* dst = warp_pages + (k % kDecodeStages) * kTileTokens;
+    if (k >= num_tiles || tile >= range_end || tile + kTileTokens <= range_begin) return 0;
     uint32_t block, offset;
-    if (tile_in_one_page) {
-      if (lane == 0) {
-        const bool valid = tile < range_end && tile + kTileTokens > range_begin;
-        split_position(a, uint32_t(tile), block, offset);
-        copy_async<4>(dst, valid ? table + block : table, valid);
-      }
-    } else if (lane < kTileTokens) {
-      const bool valid = in_range(tile + lane);
-      split_position(a, uint32_t(tile + lane), block, offset);
-      copy_async<4>(dst + lane, valid ? table + block : table, valid);
-    }
+    split_position(a, uint32_t(tile), block, offset);
+    return __ldg(table + block);
+  };
+  int32_t page_batch = 0, next_page_batch = 0;
+  if (tile_in_one_page) {
+    page_batch = load_page_batch(0);
+    next_page_batch = load_page_batch(1);
+  }
+  auto copy_page_ids = [&](int k) {
+    if (tile_in_one_page || lane >= kTileTokens) return;
+    const int tile = first_tile + k * tile_step;
+    const bool valid = in_range(tile + lane);
+    uint32_t block, offset;
+    split_position(a, uint32_t(tile + lane), block, offset);
+    copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
   };
   // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
   // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
@@ -368,6 +379,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
   // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
   // code path: the common one computes each pool's tile base once and each row with one IMAD.
+  // Tiles are copied in increasing k, which the page-id batches rely on.
   auto copy_tile = [&](int k, auto one_page) {
     constexpr bool kOnePage = decltype(one_page)::value;
     const int tile = first_tile + k * tile_step;
@@ -375,35 +387,49 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
     uint32_t block, offset0;
     split_position(a, uint32_t(tile), block, offset0);
-    const uint64_t page0 = uint32_t(pages[0]);
-    // Byte offset of the start of the tile's row `row` in a pool of the given page stride and
-    // row size (the sizes are < 2^32, validated).
-    auto row_start = [&](int row, uint64_t page_stride, uint32_t row_bytes) -> uint64_t {
-      if constexpr (kOnePage) return page0 * page_stride + uint64_t(offset0) * row_bytes + uint64_t(uint32_t(row)) * row_bytes;
-      uint32_t row_block, offset;
-      split_position(a, uint32_t(tile + row), row_block, offset);
-      return uint64_t(uint32_t(pages[row])) * page_stride + uint64_t(offset) * row_bytes;
+    uint64_t page0 = 0;
+    if constexpr (kOnePage) {
+      if (k % 32 == 0 && k > 0) {
+        page_batch = next_page_batch;
+        next_page_batch = load_page_batch(k / 32 + 1);
+      }
+      page0 = uint32_t(__shfl_sync(0xffffffffu, page_batch, k % 32));
+    }
+    // Rows of the tile in a pool of the given page stride and row size, from byte `col` of the
+    // row (row sizes are < 2^25: num_kv_heads <= 65535, head_dim <= 512).
+    auto tile_rows = [&](const uint8_t* pool, uint64_t page_stride, uint32_t row_bytes, uint64_t col) {
+      const uint8_t* tile_base = pool + page0 * page_stride + uint64_t(offset0) * row_bytes + col;
+      return [=](int row) -> const uint8_t* {
+        if constexpr (kOnePage) return tile_base + uint64_t(uint32_t(row) * row_bytes);
+        uint32_t row_block, offset;
+        split_position(a, uint32_t(tile + row), row_block, offset);
+        return pool + uint64_t(uint32_t(pages[row])) * page_stride + uint64_t(offset) * row_bytes + col;
+      };
     };
+    const int valid_begin = range_begin - tile;  // valid rows: [valid_begin, valid_end)
+    const int valid_end = range_end - tile;
+    auto valid_row = [&](int row) { return row >= valid_begin && row < valid_end; };
     constexpr int kKRowChunks = S::kKRowBytes / 16;
+    const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
 #pragma unroll
     for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
       const int id = lane + 32 * j;
       const int row = id / kKRowChunks;
-      const int chunk = id % kKRowChunks;
-      const bool valid = in_range(tile + row);
-      const uint8_t* src = a.k_cache + row_start(row, a.k_block_stride_bytes, row_elems) + k_slice + 16 * chunk;
+      const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
+      const bool valid = valid_row(row);
+      const uint8_t* src = k_rows(row);
       copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
     }
     constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
+    const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
 #pragma unroll
     for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
       const int id = lane + 32 * j;
       if (id < kTileTokens * kCodeRowCopies) {
         const int row = id / kCodeRowCopies;
         const int part = id % kCodeRowCopies;
-        const bool valid = in_range(tile + row);
-        const uint8_t* src = a.v_cache + row_start(row, a.v_block_stride_bytes, row_code_bytes) + code_slice +
-                             CODE_COPY * part;
+        const bool valid = valid_row(row);
+        const uint8_t* src = code_rows(row) + CODE_COPY * part;
         copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
                               valid ? src : a.v_cache, valid);
       }
@@ -413,9 +439,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if (lane < kTileTokens * kScaleRowCopies) {
       const int row = lane / kScaleRowCopies;
       const int part = lane % kScaleRowCopies;
-      const bool valid = in_range(tile + row);
-      const uint8_t* src = a.v_cache + row_start(row, a.v_block_stride_bytes, row_scale_bytes) + scale_slice +
-                           4 * part;
+      const bool valid = valid_row(row);
+      const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
       copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
                     valid ? src : a.v_cache, valid);
     }
@@ -546,7 +571,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int row = v_row_token[j];
-        read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes + g * S::kCodeBytes, codes[j]);
+        read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
         scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
                                g * S::kThreadDims / kGroupElems];
       }
