@@ -91,7 +91,9 @@ __device__ __forceinline__ float e4m3_decode(uint8_t byte) {
 // FORMAT §3.2: the reference "matched-norm" encoder for one group of 16 values.
 // Arithmetic is explicit round-to-nearest without fused multiply-add and the sums run
 // sequentially, which makes the bytes identical to the original engine's (built with
-// --fmad=false) and to the NumPy reference.
+// --fmad=false) and to the NumPy reference. `levels` holds Codebook<BITS>::levels(), in memory
+// the caller chooses: the codes differ between threads, and constant memory serialises a warp's
+// reads of different addresses, so kernels pass a shared-memory copy.
 template <int BITS>
 struct EncodedGroup {
   uint8_t codes[kGroupElems];
@@ -99,7 +101,8 @@ struct EncodedGroup {
 };
 
 template <int BITS>
-__device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kGroupElems]) {
+__device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kGroupElems],
+                                                             const float* levels) {
   using CB = Codebook<BITS>;
   float n2 = 0.0f;
   float amax = 0.0f;
@@ -119,7 +122,7 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kG
 #pragma unroll
     for (int b = 0; b < (1 << BITS) - 1; ++b) code += (y >= CB::bounds()[b]) ? 1 : 0;
     out.codes[i] = code;
-    const float level = CB::levels()[code];
+    const float level = levels[code];
     r2 = __fadd_rn(r2, __fmul_rn(level, level));
   }
   const float root_r2 = __fsqrt_rn(r2);

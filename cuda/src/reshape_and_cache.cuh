@@ -25,41 +25,68 @@ __device__ __forceinline__ void load_bf16_group(const uint16_t* src, bool vector
   }
 }
 
+// Stores N bytes with the widest stores that N and the address allow.
+template <int N>
+__device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&bytes)[N]) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(dst);
+  if (N % 8 == 0 && address % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i)
+      reinterpret_cast<uint2*>(dst)[i] = make_uint2(
+          bytes[8 * i] | bytes[8 * i + 1] << 8 | bytes[8 * i + 2] << 16 | uint32_t(bytes[8 * i + 3]) << 24,
+          bytes[8 * i + 4] | bytes[8 * i + 5] << 8 | bytes[8 * i + 6] << 16 | uint32_t(bytes[8 * i + 7]) << 24);
+  } else if (N % 4 == 0 && address % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i)
+      reinterpret_cast<uint32_t*>(dst)[i] =
+          bytes[4 * i] | bytes[4 * i + 1] << 8 | bytes[4 * i + 2] << 16 | uint32_t(bytes[4 * i + 3]) << 24;
+  } else if (N % 2 == 0 && address % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) reinterpret_cast<uint16_t*>(dst)[i] = uint16_t(bytes[2 * i] | bytes[2 * i + 1] << 8);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = bytes[i];
+  }
+}
+
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
 // a thread computes them sequentially, exactly as FORMAT §3.2 orders them.
 template <int BITS>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
+  __shared__ float levels_s[1 << BITS];
+  if (threadIdx.x < (1 << BITS)) levels_s[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
+  __syncthreads();
   const uint32_t groups_per_row = a.row_elems / kGroupElems;
   const uint64_t index = uint64_t(blockIdx.x) * kWriteThreads + threadIdx.x;
   const uint64_t token = index / groups_per_row;
   const uint32_t group = uint32_t(index % groups_per_row);
   if (token >= a.num_tokens) return;
-  const int64_t slot = a.slot_mapping[token];
+  // The slot and both input groups are loaded before anything waits on them: for a few tokens
+  // the write is one memory round trip plus the encoding.
+  const int64_t slot = __ldg(a.slot_mapping + token);
+  float k[kGroupElems], x[kGroupElems];
+  load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_loads, k);
+  load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_loads, x);
   if (slot < 0) return;  // padding: writes nothing (FORMAT §4)
   const uint64_t page = uint64_t(slot) / a.block_size;
   const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
-  float x[kGroupElems];
 
   // K (FORMAT §2): byte = E4M3_rn_satfinite(k * inv), 16 bytes written as one aligned store.
-  load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_loads, x);
   alignas(16) uint8_t k_bytes[kGroupElems];
 #pragma unroll
-  for (int i = 0; i < kGroupElems; ++i) k_bytes[i] = e4m3_encode(__fmul_rn(x[i], a.k_inv_scale));
+  for (int i = 0; i < kGroupElems; ++i) k_bytes[i] = e4m3_encode(__fmul_rn(k[i], a.k_inv_scale));
   uint8_t* k_dst = a.k_cache + page * a.k_block_stride_bytes + uint64_t(offset) * a.row_elems +
                    group * kGroupElems;
   *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section.
-  load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_loads, x);
-  const EncodedGroup<BITS> enc = encode_v_group<BITS>(x);
+  const EncodedGroup<BITS> enc = encode_v_group<BITS>(x, levels_s);
   uint8_t packed[2 * BITS];
   pack_group<BITS>(enc.codes, packed);
   const VPageLayout layout{uint64_t(a.row_elems) * BITS / 8, a.row_elems / kGroupElems,
                            a.v_data_section_bytes};
   uint8_t* v_page = a.v_cache + page * a.v_block_stride_bytes;
-  uint8_t* v_dst = v_page + layout.data_offset(offset, group, BITS);
-#pragma unroll
-  for (int j = 0; j < 2 * BITS; ++j) v_dst[j] = packed[j];
+  store_bytes(v_page + layout.data_offset(offset, group, BITS), packed);
   v_page[layout.scale_offset(offset, group)] = enc.scale_byte;
 }
 
