@@ -91,7 +91,8 @@ def header_struct(tag: str) -> list[tuple[str, str]]:
 def ctype_of(c_type: str) -> Any:
     """The ctypes type the C ABI of ``c_type`` requires on this platform."""
     structs = {"fp8kturbov_write_params_t": _lib.WriteParams,
-               "fp8kturbov_decode_params_t": _lib.DecodeParams}
+               "fp8kturbov_decode_params_t": _lib.DecodeParams,
+               "fp8kturbov_dequantize_params_t": _lib.DequantizeParams}
     base = c_type.replace("const ", "")
     if base.endswith("*") and base[:-1] in structs:
         return ctypes.POINTER(structs[base[:-1]])
@@ -177,7 +178,8 @@ def test_library_needs_no_cuda_runtime_or_driver_library():
 
 
 STRUCTS = {"fp8kturbov_write_params": _lib.WriteParams,
-           "fp8kturbov_decode_params": _lib.DecodeParams}
+           "fp8kturbov_decode_params": _lib.DecodeParams,
+           "fp8kturbov_dequantize_params": _lib.DequantizeParams}
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +227,7 @@ def documented_defaults(tag: str) -> dict[str, float]:
     return {name: float(value) for name, value in re.findall(r"(\w+) = ([\d.e+-]+)", comment)}
 
 
-@pytest.mark.parametrize("tag", ["write", "decode"])
+@pytest.mark.parametrize("tag", ["write", "decode", "dequantize"])
 def test_params_init_sets_size_and_documented_defaults(tag):
     mirror = STRUCTS[f"fp8kturbov_{tag}_params"]
     params = mirror.from_buffer_copy(b"\xab" * ctypes.sizeof(mirror))  # garbage everywhere

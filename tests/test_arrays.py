@@ -254,7 +254,7 @@ def make(request) -> Callable[..., Any]:
 def launches(monkeypatch) -> list[tuple[str, tuple, dict]]:
     """Every launch, stream wait and device switch, recorded instead of done."""
     calls: list[tuple[str, tuple, dict]] = []
-    for op in ("reshape_and_cache", "paged_decode_attn"):
+    for op in ("reshape_and_cache", "paged_decode_attn", "dequantize"):
         monkeypatch.setattr(ops, op, lambda *args, _op=op, **kw: calls.append((_op, args, kw)))
     monkeypatch.setattr(arrays, "_stream_wait", lambda *args: calls.append(("wait", args, {})))
 
@@ -286,6 +286,11 @@ def write_args(make) -> dict[str, Any]:
 def decode_args(make) -> dict[str, Any]:
     return dict(q=make((S, HQ, D), "bfloat16"), block_tables=make((S, MAX_BLOCKS), "int32"),
                 seq_lens=make((S,), "int32"), out=make((S, HQ, D), "bfloat16"))
+
+
+def dequantize_args(make) -> dict[str, Any]:
+    return dict(slot_mapping=make((T,), "int64"), key=make((T, H, D), "bfloat16"),
+                value=make((T, N), "bfloat16"))
 
 
 LAYOUT_ARGS = dict(num_kv_heads=H, head_dim=D, block_size=LAYOUT.block_size, v_bits=3,
@@ -362,6 +367,48 @@ def test_decode_without_out_needs_a_torch_or_cupy_q(launches):
     assert launches == []
 
 
+def test_dequantize_passes_pointers_element_strides_and_the_layout(make, launches):
+    cache = make_cache()
+    args = dequantize_args(make)
+    args["key"] = make((T, H, D), "bfloat16", strides=(N + 24, D, 1))  # padded rows
+    key, value = fp8kturbov.dequantize_kv(cache=cache, **args)
+    assert key is args["key"] and value is args["value"]
+    kw = launched(launches, "dequantize")
+    assert kw == dict(k_cache=cache.k_ptr, v_cache=cache.v_ptr, slot_mapping=args["slot_mapping"].ptr,
+                      key=args["key"].ptr, value=args["value"].ptr, num_tokens=T, key_stride=N + 24,
+                      value_stride=N, k_scale=K_SCALE, stream=kw["stream"], **LAYOUT_ARGS)
+    assert ("device", (0,), {}) in launches
+
+
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+def test_dequantize_allocates_outputs_from_the_cache_backend(request, launches, library):
+    request.getfixturevalue(f"fake_{library}")
+    make = KINDS[library]
+    cache = KVCache.wrap(make((LAYOUT.k_pool_bytes,), "uint8"), make((LAYOUT.v_pool_bytes,), "uint8"),
+                         LAYOUT, K_SCALE)
+    given = make((T, N), "bfloat16")
+    key, value = fp8kturbov.dequantize_kv(cache, make((T,), "int64"), value=given)
+    assert isinstance(key, make) and tuple(key.shape) == (T, H, D) and value is given
+    assert "bfloat16" in str(key.dtype)
+    kw = launched(launches, "dequantize")
+    assert (kw["key"], kw["value"], kw["key_stride"]) == (key.ptr, given.ptr, N)
+
+
+def test_dequantize_without_outputs_needs_torch_or_cupy_pools(launches):
+    with pytest.raises(TypeError, match="^value: None needs a cache with torch or CuPy pools"):
+        fp8kturbov.dequantize_kv(make_cache(), FakeCAI((T,), "int64"), FakeCAI((T, N), "bfloat16"))
+    assert launches == []
+
+
+@pytest.mark.parametrize("kind", ["cai", "dlpack"])
+def test_dequantize_refuses_read_only_outputs(launches, kind):
+    args = dequantize_args(FakeCAI)
+    args["value"] = KINDS[kind]((T, N), "bfloat16", readonly=True)
+    with pytest.raises(ArgumentError, match="^INVALID_VALUE: value: a read-only array"):
+        fp8kturbov.dequantize_kv(cache=make_cache(), **args)
+    assert launches == []
+
+
 def test_dlpack_capsule_fields_are_read(launches):
     cache = make_cache()
     key = FakeDLPack((T, N), "bfloat16", strides=(N + 16, 1), byte_offset=64)
@@ -416,9 +463,25 @@ DECODE_ERRORS = {
 }
 
 
+DEQUANTIZE_ERRORS = {
+    "slots dtype": ("slot_mapping", lambda m: m((T,), "int32"), "dtype int32"),
+    "slots 2-D": ("slot_mapping", lambda m: m((T, 1), "int64"), "shape [5, 1]"),
+    "slots strided": ("slot_mapping", lambda m: m((T,), "int64", strides=(2,)), "strides [2]"),
+    "key dtype": ("key", lambda m: m((T, H, D), "float32"), "dtype float32"),
+    "key heads": ("key", lambda m: m((T, 2 * H, D // 2), "bfloat16"), f"shape [{T}, {2 * H}, {D // 2}]"),
+    "key rows": ("key", lambda m: m((T - 1, H, D), "bfloat16"), f"{T - 1} rows"),
+    "value rows": ("value", lambda m: m((T + 1, N), "bfloat16"), f"{T + 1} rows"),
+    "value strided": ("value", lambda m: m((T, N), "bfloat16", strides=(2 * N, 2)), "strides"),
+    "value rows overlap": ("value", lambda m: m((T, N), "bfloat16", strides=(N - 16, 1)),
+                           f"row stride {N - 16} elements"),
+    "key device": ("key", lambda m: m((T, H, D), "bfloat16", device=2), "device 2"),
+}
+
+
 # (operation, its valid arguments, its error cases), for the one test below.
 OPERATIONS = {"write": (fp8kturbov.write_kv, write_args, WRITE_ERRORS),
-              "decode": (fp8kturbov.paged_decode, decode_args, DECODE_ERRORS)}
+              "decode": (fp8kturbov.paged_decode, decode_args, DECODE_ERRORS),
+              "dequantize": (fp8kturbov.dequantize_kv, dequantize_args, DEQUANTIZE_ERRORS)}
 
 
 @pytest.mark.parametrize("op, case", [(op, case) for op, (_, _, errors) in OPERATIONS.items()
@@ -742,6 +805,8 @@ def test_valid_calls_reach_the_library(make):
         fp8kturbov.write_kv(cache=cache, **write_args(make))
     with pytest.raises(fp8kturbov.CudaError):
         fp8kturbov.paged_decode(cache=cache, **decode_args(make))
+    with pytest.raises(fp8kturbov.CudaError):
+        fp8kturbov.dequantize_kv(cache=cache, **dequantize_args(make))
 
 
 def test_library_checks_still_apply():

@@ -1,10 +1,11 @@
 """GPU tests of the tensor-level API (fp8kturbov.arrays) through torch and CuPy.
 
-Each write and decode goes through arrays on a non-default stream made current in the array's
-own library, and is checked three ways: the launch used that stream, the result equals the NumPy
-reference (cache bytes exactly over the whole poisoned pools; decode within 1e-2 relative error
-per head of the float64 reference, exact softmax), and it equals, byte for byte, the raw-pointer
-launch on the same inputs. Each test skips without its library (torch, CuPy >= 14 for bfloat16).
+Each write, decode and dequantize goes through arrays on a non-default stream made current in the
+array's own library, and is checked three ways: the launch used that stream, the result equals the
+NumPy reference (cache bytes exactly over the whole poisoned pools; decode within 1e-2 relative
+error per head of the float64 reference, exact softmax; dequantized rows bit for bit), and it
+equals, byte for byte, the raw-pointer launch on the same inputs. Each test skips without its
+library (torch, CuPy >= 14 for bfloat16).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def random_bytes(rng, nbytes: int) -> np.ndarray:
 
 
 def assert_bytes_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    diff = np.flatnonzero(got.view(np.uint8) != want.view(np.uint8))
+    diff = np.flatnonzero(got.view(np.uint8).reshape(-1) != want.view(np.uint8).reshape(-1))
     assert diff.size == 0, f"{what}: {diff.size} bytes differ, first at {diff[:8].tolist()}"
 
 
@@ -193,14 +194,6 @@ def check_write(lib: TorchArrays, cache: KVCache, rng, streams_of) -> None:
         lib.synchronize()
         assert_bytes_equal(lib.to_host(twin.k_pool), got_k, "K pool vs raw-pointer launch")
         assert_bytes_equal(lib.to_host(twin.v_pool), got_v, "V pool vs raw-pointer launch")
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("library", list(LIBRARIES))
-def test_write(rng, streams_of, library, bits):
-    lib = LIBRARIES[library]()
-    with KVCache.allocate(layout_for(bits), K_SCALE, backend=lib.backend) as cache:
-        check_write(lib, cache, rng, streams_of)
 
 
 # ---- Decode ----------------------------------------------------------------------------------------
@@ -268,6 +261,72 @@ def test_decode(rng, streams_of, library, bits, window):
     lib = LIBRARIES[library]()
     with KVCache.allocate(layout_for(bits), K_SCALE, backend=lib.backend) as cache:
         check_decode(lib, cache, rng, streams_of, window)
+
+
+# ---- Dequantize ------------------------------------------------------------------------------------
+def assert_bf16_match(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bit for bit, except that a NaN may be any NaN (at the same positions)."""
+    nan = np.isnan(want.astype(np.float32))
+    assert np.array_equal(np.isnan(got.astype(np.float32)), nan), f"{what}: NaN positions differ"
+    assert_bytes_equal(np.where(nan, 0, got.view(np.uint16)), np.where(nan, 0, want.view(np.uint16)), what)
+
+
+def check_dequantize(lib: TorchArrays, cache: KVCache, rng, streams_of) -> None:
+    """dequantize_kv on a current non-default stream over pools of random bytes (NaN bytes
+    included): outputs allocated from the cache's backend, then given ones (3-D keys with padded
+    rows, 2-D values); against the reference and, byte for byte, the raw-pointer launch."""
+    layout, n, num_tokens = cache.layout, cache.layout.row_elems, 60
+    heads, dim = layout.num_kv_heads, layout.head_dim
+    k_host, v_host = random_bytes(rng, layout.k_pool_bytes), random_bytes(rng, layout.v_pool_bytes)
+    lib.fill(cache.k_pool, k_host)
+    lib.fill(cache.v_pool, v_host)
+    slots = rng.integers(0, layout.num_slots, size=num_tokens, dtype=np.int64)
+    slots[rng.random(num_tokens) < 0.1] = -1
+    slot_mapping = lib.to_device(slots)
+    want_k, want_v = ref.dequantize_cache(k_host, v_host, slots, num_tokens, heads, dim,
+                                          layout.block_size, K_SCALE, layout.k_block_stride_bytes,
+                                          layout.v_block_stride_bytes, layout.v_data_section_bytes,
+                                          layout.v_bits)
+
+    streams = streams_of("dequantize")
+    with lib.current_stream() as stream:
+        key, value = fp8kturbov.dequantize_kv(cache, slot_mapping)
+    assert streams == [stream] and stream != 0
+    got_k, got_v = lib.to_host(key), lib.to_host(value)
+    assert got_k.shape == got_v.shape == (num_tokens, heads, dim)
+    assert_bf16_match(got_k.reshape(num_tokens, n), want_k, "key vs reference")
+    assert_bf16_match(got_v.reshape(num_tokens, n), want_v, "value vs reference")
+
+    key_stride = n + 24
+    key_rows = lib.to_device(np.full((num_tokens, key_stride), np.nan, dtype=BF16))
+    value_rows = lib.to_device(np.full((num_tokens, n), np.nan, dtype=BF16))
+    key_view = key_rows[:, :n].reshape(num_tokens, heads, dim)
+    with lib.current_stream():
+        returned = fp8kturbov.dequantize_kv(cache, slot_mapping, key_view, value_rows)
+    assert returned[0] is key_view and returned[1] is value_rows
+    got_rows = lib.to_host(key_rows)
+    assert_bytes_equal(got_rows[:, :n], got_k.reshape(num_tokens, n), "padded key rows vs allocated")
+    assert np.isnan(got_rows[:, n:].astype(np.float32)).all(), "the padding between rows was written"
+    assert_bytes_equal(lib.to_host(value_rows), got_v.reshape(num_tokens, n), "value vs allocated")
+
+    raw_k, raw_v = (lib.to_device(np.full((num_tokens, n), np.nan, dtype=BF16)) for _ in range(2))
+    lib.synchronize()
+    ops.dequantize(cache.k_ptr, cache.v_ptr, lib.ptr(slot_mapping), lib.ptr(raw_k), lib.ptr(raw_v),
+                   num_tokens=num_tokens, key_stride=n, value_stride=n, k_scale=K_SCALE,
+                   **cache._layout_args())
+    lib.synchronize()
+    assert_bytes_equal(lib.to_host(raw_k), got_k, "key vs raw-pointer launch")
+    assert_bytes_equal(lib.to_host(raw_v), got_v, "value vs raw-pointer launch")
+
+
+# ---- Write and dequantize, each width and library -------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("library", list(LIBRARIES))
+@pytest.mark.parametrize("check", [check_write, check_dequantize], ids=["write", "dequantize"])
+def test_write_and_dequantize(rng, streams_of, check, library, bits):
+    lib = LIBRARIES[library]()
+    with KVCache.allocate(layout_for(bits), K_SCALE, backend=lib.backend) as cache:
+        check(lib, cache, rng, streams_of)
 
 
 # ---- KVCache.allocate, each backend ---------------------------------------------------------------

@@ -207,6 +207,45 @@ FP8KTURBOV_DECLARE_DECODE(3)
 FP8KTURBOV_DECLARE_DECODE(4)
 #undef FP8KTURBOV_DECLARE_DECODE
 
+/* ---- Dequantize (pages -> bf16) ------------------------------------------------------------ */
+/*
+ * Reads num_tokens slots of the paged pools back into bf16 rows, the inverse of the write:
+ *   K element = E4M3(byte) * k_scale                       (FORMAT §2)
+ *   V element = level[code] * E4M3(scale byte of its group)  (FORMAT §3)
+ * each product computed in float and rounded to bf16 (round to nearest even). For prefill through
+ * a standard attention kernel, for debugging and for offload.
+ *  slot_mapping   int64 [num_tokens], slot = page*block_size + offset, as in the write; slot < 0
+ *                 gives a row of zeros.
+ *  key, value     bf16 outputs: token t's row of num_kv_heads*head_dim elements at
+ *                 key + t*key_stride / value + t*value_stride (strides in ELEMENTS).
+ * The pools and their layout follow the same rules as the write's. A slot's page must lie inside
+ * the pools; the library does not know their capacity.
+ */
+typedef struct fp8kturbov_dequantize_params {
+  size_t struct_size; /* sizeof(fp8kturbov_dequantize_params_t) of the caller's header */
+  const void* k_cache;
+  const void* v_cache;
+  const int64_t* slot_mapping;
+  void* key;
+  void* value;
+  uint32_t num_tokens;
+  uint32_t num_kv_heads;
+  uint32_t head_dim;
+  uint32_t block_size;
+  uint32_t key_stride;   /* elements */
+  uint32_t value_stride; /* elements */
+  float k_scale;         /* finite, > 0 */
+  uint32_t v_bits;       /* 2, 3 or 4 */
+  uint64_t k_block_stride_bytes;
+  uint64_t v_block_stride_bytes;
+  uint64_t v_data_section_bytes;
+} fp8kturbov_dequantize_params_t;
+
+/* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
+FP8KTURBOV_API void fp8kturbov_dequantize_params_init(fp8kturbov_dequantize_params_t* params);
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_dequantize(
+    const fp8kturbov_dequantize_params_t* params, fp8kturbov_stream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -102,9 +102,12 @@ fp8kturbov_status_t check_struct_size(const char* entry, const void* params, siz
 
 }  // namespace
 
-fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_t& p,
-                               cudaStream_t stream) {
-  g_last_error[0] = '\0';
+namespace {
+
+// The row and pool rules shared by the write and the dequantize, whose parameter structs name
+// the same fields; sets *row_elems.
+template <typename Params>
+fp8kturbov_status_t check_token_rows(const char* entry, const Params& p, uint64_t* row_elems) {
   if (!is_supported_v_bits(p.v_bits))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", p.v_bits);
   if (p.head_dim == 0 || p.head_dim % kGroupElems != 0)
@@ -113,32 +116,46 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   if (p.num_kv_heads == 0)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_kv_heads = 0");
   if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
-  const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
-  if (row_elems > UINT32_MAX)
+  *row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
+  if (*row_elems > UINT32_MAX)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "num_kv_heads * head_dim = %" PRIu64 " exceeds 2^32 - 1", row_elems);
-  if (p.key_stride < row_elems)
+                "num_kv_heads * head_dim = %" PRIu64 " exceeds 2^32 - 1", *row_elems);
+  if (p.key_stride < *row_elems)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "key_stride = %u is smaller than a row (%" PRIu64 " elements)", p.key_stride,
-                row_elems);
-  if (p.value_stride < row_elems)
+                *row_elems);
+  if (p.value_stride < *row_elems)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "value_stride = %u is smaller than a row (%" PRIu64 " elements)", p.value_stride,
-                row_elems);
+                *row_elems);
   FP8KTURBOV_CHECK(check_k_scale(entry, p.k_scale));
+  FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, *row_elems, p.v_bits, p.k_cache,
+                                     p.k_block_stride_bytes, p.v_block_stride_bytes,
+                                     p.v_data_section_bytes));
+  const uint64_t blocks =
+      (uint64_t(p.num_tokens) * (*row_elems / kGroupElems) + kWriteThreads - 1) / kWriteThreads;
+  if (blocks > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_tokens = %u is too large for one launch at this row size", p.num_tokens);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+fp8kturbov_status_t unsupported_bits(const char* entry, uint32_t bits) {
+  return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+              "v_bits = %u was not built (CMake option FP8KTURBOV_V_BITS)", bits);
+}
+
+}  // namespace
+
+fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_t& p,
+                               cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  uint64_t row_elems = 0;
+  FP8KTURBOV_CHECK(check_token_rows(entry, p, &row_elems));
   // FORMAT §2 multiplies by 1/k_scale: below ~2^-128 that is inf and a zero key would become NaN.
   if (!std::isfinite(1.0f / p.k_scale))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "k_scale = %g is too small: 1/k_scale overflows float", double(p.k_scale));
-  FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
-                                     p.k_block_stride_bytes, p.v_block_stride_bytes,
-                                     p.v_data_section_bytes));
-  const uint64_t blocks =
-      (uint64_t(p.num_tokens) * (row_elems / kGroupElems) + kWriteThreads - 1) /
-      kWriteThreads;
-  if (blocks > INT32_MAX)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "num_tokens = %u is too large for one launch at this row size", p.num_tokens);
   if (p.num_tokens == 0) return FP8KTURBOV_STATUS_SUCCESS;
   FP8KTURBOV_REQUIRE_POINTER(key);
   FP8KTURBOV_REQUIRE_POINTER(value);
@@ -163,16 +180,64 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                        p.v_block_stride_bytes,
                        p.v_data_section_bytes};
   switch (p.v_bits) {
-#define FP8KTURBOV_WRITE_CASE(BITS) \
-  case BITS:                        \
+#define FP8KTURBOV_BITS_CASE(BITS) \
+  case BITS:                       \
     return report_launch(launch_reshape_and_cache<BITS>(args, stream), entry);
-#include "dispatch_write.inc"
-#undef FP8KTURBOV_WRITE_CASE
+#include "dispatch_bits.inc"
+#undef FP8KTURBOV_BITS_CASE
     default:
-      return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
-                  "v_bits = %u was not built (CMake option FP8KTURBOV_V_BITS)", p.v_bits);
+      return unsupported_bits(entry, p.v_bits);
   }
 }
+
+namespace {
+
+bool is_aligned2(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 1u) == 0; }
+
+fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequantize_params_t& p,
+                                    cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  uint64_t row_elems = 0;
+  FP8KTURBOV_CHECK(check_token_rows(entry, p, &row_elems));
+  if (p.num_tokens == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  FP8KTURBOV_REQUIRE_POINTER(k_cache);
+  FP8KTURBOV_REQUIRE_POINTER(v_cache);
+  FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
+  FP8KTURBOV_REQUIRE_POINTER(key);
+  FP8KTURBOV_REQUIRE_POINTER(value);
+  if (!is_aligned2(p.key))
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "key = %p is not 2-byte aligned", p.key);
+  if (!is_aligned2(p.value))
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "value = %p is not 2-byte aligned", p.value);
+
+  const DequantizeArgs args{static_cast<const uint8_t*>(p.k_cache),
+                            static_cast<const uint8_t*>(p.v_cache),
+                            p.slot_mapping,
+                            static_cast<uint16_t*>(p.key),
+                            static_cast<uint16_t*>(p.value),
+                            p.num_tokens,
+                            uint32_t(row_elems),
+                            p.block_size,
+                            p.key_stride,
+                            p.value_stride,
+                            is_aligned16(p.key) && p.key_stride % 8 == 0,
+                            is_aligned16(p.value) && p.value_stride % 8 == 0,
+                            p.k_scale,
+                            p.k_block_stride_bytes,
+                            p.v_block_stride_bytes,
+                            p.v_data_section_bytes};
+  switch (p.v_bits) {
+#define FP8KTURBOV_BITS_CASE(BITS) \
+  case BITS:                       \
+    return report_launch(launch_dequantize<BITS>(args, stream), entry);
+#include "dispatch_bits.inc"
+#undef FP8KTURBOV_BITS_CASE
+    default:
+      return unsupported_bits(entry, p.v_bits);
+  }
+}
+
+}  // namespace
 
 namespace {
 
@@ -489,6 +554,13 @@ void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params) {
   params->v_bits = 3;
 }
 
+void fp8kturbov_dequantize_params_init(fp8kturbov_dequantize_params_t* params) {
+  if (params == nullptr) return;
+  *params = fp8kturbov_dequantize_params_t{};
+  params->struct_size = sizeof(fp8kturbov_dequantize_params_t);
+  params->v_bits = 3;
+}
+
 void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params) {
   if (params == nullptr) return;
   *params = fp8kturbov_decode_params_t{};
@@ -504,6 +576,15 @@ fp8kturbov_status_t fp8kturbov_reshape_and_cache(const fp8kturbov_write_params_t
   FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
                                      sizeof(fp8kturbov_write_params_t)));
   return write_impl(entry, *params, reinterpret_cast<cudaStream_t>(stream));
+}
+
+fp8kturbov_status_t fp8kturbov_dequantize(const fp8kturbov_dequantize_params_t* params,
+                                          fp8kturbov_stream_t stream) {
+  const char* entry = "fp8kturbov_dequantize";
+  g_last_error[0] = '\0';
+  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
+                                     sizeof(fp8kturbov_dequantize_params_t)));
+  return dequantize_impl(entry, *params, reinterpret_cast<cudaStream_t>(stream));
 }
 
 fp8kturbov_status_t fp8kturbov_paged_decode_attn(const fp8kturbov_decode_params_t* params,

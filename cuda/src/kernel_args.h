@@ -60,6 +60,29 @@ struct DecodeArgs {
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream);
 
+// Arguments of one dequantize, after validation (the write's row and pool rules).
+struct DequantizeArgs {
+  const uint8_t* k_cache;
+  const uint8_t* v_cache;
+  const int64_t* slot_mapping;
+  uint16_t* key;    // bf16 bits
+  uint16_t* value;  // bf16 bits
+  uint32_t num_tokens;
+  uint32_t row_elems;  // num_kv_heads * head_dim
+  uint32_t block_size;
+  uint64_t key_stride;
+  uint64_t value_stride;
+  bool key_vector_stores;    // key and key_stride allow 16-byte stores
+  bool value_vector_stores;  // likewise for value
+  float k_scale;
+  uint64_t k_block_stride_bytes;
+  uint64_t v_block_stride_bytes;
+  uint64_t v_data_section_bytes;
+};
+
+template <int BITS>
+cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
+
 // Decode work units (shared by the planner and the kernel).
 constexpr int kDecodeTileTokens = 16;   // positions per mma tile
 constexpr int kDecodeHeadsPerCta = 8;   // query heads of one GQA group per CTA

@@ -1,11 +1,12 @@
 """fp8kturbov: a paged KV cache with FP8 E4M3 keys and TurboQuant 2/3/4-bit values.
 
 The raw-pointer launchers mirror the C ABI one to one (``reshape_and_cache_fp8k_turbo3v``,
-``paged_decode_attn_fp8k_turbo3v``, ...); ``CacheLayout`` gives the pool sizes and strides; the
-tensor-level ``write_kv`` / ``paged_decode`` take torch, CuPy, ``__cuda_array_interface__`` or
-DLPack arrays and a ``KVCache``; the NumPy reference of the byte format is ``fp8kturbov.reference``
-(needs ``ml-dtypes``). ``calibrate_k_scale``, ``bytes_per_token``, ``tokens_that_fit`` and
-``capacity_table`` (from ``fp8kturbov.planning``) size an engine's cache.
+``paged_decode_attn_fp8k_turbo3v``, ``dequantize``, ...); ``CacheLayout`` gives the pool sizes and
+strides; the tensor-level ``write_kv`` / ``paged_decode`` / ``dequantize_kv`` take torch, CuPy,
+``__cuda_array_interface__`` or DLPack arrays and a ``KVCache``; the NumPy reference of the byte
+format is ``fp8kturbov.reference`` (needs ``ml-dtypes``). ``calibrate_k_scale``,
+``bytes_per_token``, ``tokens_that_fit`` and ``capacity_table`` (from ``fp8kturbov.planning``)
+size an engine's cache.
 """
 
 from ._errors import (
@@ -19,11 +20,12 @@ from ._errors import (
     Status,
 )
 from ._lib import ABI_VERSION, library_path, version
-from .arrays import ArgumentError, DeviceBuffer, KVCache, paged_decode, write_kv
+from .arrays import ArgumentError, DeviceBuffer, KVCache, dequantize_kv, paged_decode, write_kv
 from .layout import CacheLayout
 from .planning import (CapacityPlan, bytes_per_token, calibrate_k_scale, capacity_table,
                        tokens_that_fit)
 from .ops import (
+    dequantize,
     paged_decode_attn,
     paged_decode_attn_fp8k_turbo2v,
     paged_decode_attn_fp8k_turbo3v,
@@ -41,8 +43,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ABI_VERSION", "ArgumentError", "BadStructSizeError", "CacheLayout", "CudaError",
     "DeviceBuffer", "Fp8kturbovError", "InvalidValueError", "KVCache", "MisalignedError",
-    "NotSupportedError", "NullPointerError", "Status", "library_path", "paged_decode",
-    "paged_decode_attn", "paged_decode_attn_fp8k_turbo2v",
+    "NotSupportedError", "NullPointerError", "Status", "dequantize", "dequantize_kv",
+    "library_path", "paged_decode", "paged_decode_attn", "paged_decode_attn_fp8k_turbo2v",
     "paged_decode_attn_fp8k_turbo3v", "paged_decode_attn_fp8k_turbo4v",
     "paged_decode_workspace_bytes", "reshape_and_cache",
     "reshape_and_cache_fp8k_turbo2v", "reshape_and_cache_fp8k_turbo3v",

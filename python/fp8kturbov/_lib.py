@@ -83,6 +83,30 @@ class DecodeParams(ctypes.Structure):
     ]
 
 
+class DequantizeParams(ctypes.Structure):
+    """Mirror of ``fp8kturbov_dequantize_params_t``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("slot_mapping", _ptr),
+        ("key", _ptr),
+        ("value", _ptr),
+        ("num_tokens", _u32),
+        ("num_kv_heads", _u32),
+        ("head_dim", _u32),
+        ("block_size", _u32),
+        ("key_stride", _u32),
+        ("value_stride", _u32),
+        ("k_scale", _f32),
+        ("v_bits", _u32),
+        ("k_block_stride_bytes", _u64),
+        ("v_block_stride_bytes", _u64),
+        ("v_data_section_bytes", _u64),
+    ]
+
+
 WRITE_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _u32, _u32, _u32, _u32, _u32, _u32, _f32,
                   _u64, _u64, _u64, _ptr]
 DECODE_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _u32, _u32, _u32, _u32, _u32, _u32,
@@ -103,6 +127,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fp8kturbov_paged_decode_attn": (_status, [ctypes.POINTER(DecodeParams), _ptr]),
     "fp8kturbov_paged_decode_workspace_bytes": (
         _status, [ctypes.POINTER(DecodeParams), ctypes.POINTER(_u64)]),
+    "fp8kturbov_dequantize_params_init": (None, [ctypes.POINTER(DequantizeParams)]),
+    "fp8kturbov_dequantize": (_status, [ctypes.POINTER(DequantizeParams), _ptr]),
     **{f"fp8kturbov_reshape_and_cache_fp8k_turbo{b}v": (_status, WRITE_ARGTYPES) for b in (2, 3, 4)},
     **{f"fp8kturbov_paged_decode_attn_fp8k_turbo{b}v": (_status, DECODE_ARGTYPES) for b in (2, 3, 4)},
 }

@@ -1,8 +1,9 @@
 """Tensor-level API: arrays in, checked, launched through :mod:`fp8kturbov.ops`.
 
-``write_kv`` and ``paged_decode`` take arrays instead of raw pointers, check dtype, shape, strides
-and device (an :class:`ArgumentError` names the argument, what was found and what was expected),
-and call the generic launchers ``ops.reshape_and_cache`` / ``ops.paged_decode_attn``.
+``write_kv``, ``paged_decode`` and ``dequantize_kv`` take arrays instead of raw pointers, check
+dtype, shape, strides and device (an :class:`ArgumentError` names the argument, what was found and
+what was expected), and call the generic launchers ``ops.reshape_and_cache`` /
+``ops.paged_decode_attn`` / ``ops.dequantize``.
 :class:`KVCache` holds one layer's K and V pools with their :class:`CacheLayout` and ``k_scale``.
 
 Arrays are recognised in this order:
@@ -59,7 +60,7 @@ from . import ops
 from ._errors import CudaError, InvalidValueError, Status
 from .layout import CacheLayout
 
-__all__ = ["ArgumentError", "DeviceBuffer", "KVCache", "paged_decode", "write_kv"]
+__all__ = ["ArgumentError", "DeviceBuffer", "KVCache", "dequantize_kv", "paged_decode", "write_kv"]
 
 BACKENDS = ("torch", "cupy", "cuda")
 
@@ -490,15 +491,23 @@ def _import_backend(backend: str) -> Any:
         raise ImportError(f"backend={backend!r} needs the {backend} package: {exc}") from exc
 
 
-def _allocate_bytes(backend: str, nbytes: int, device: int) -> Any:
-    """``nbytes`` BYTES of uninitialised device memory as a 1-D uint8 array of ``backend``."""
+def _allocate(backend: str, shape: tuple[int, ...], dtype: str, device: int) -> Any:
+    """Uninitialised device memory from ``backend`` on CUDA device ``device``: a dense torch or
+    CuPy array of ``shape`` and ``dtype`` ("uint8" or "bfloat16"; CuPy's bfloat16 is
+    ``ml_dtypes.bfloat16``, CuPy >= 14), or for "cuda" a :class:`DeviceBuffer` of ``shape[0]``
+    BYTES (uint8 only)."""
     if backend == "torch":
         torch = _import_backend("torch")
-        return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=torch.device("cuda", device))
     if backend == "cupy":
         cupy = _import_backend("cupy")
+        if dtype == "bfloat16":
+            element = importlib.import_module("ml_dtypes").bfloat16
+        else:
+            element = cupy.uint8
         with cupy.cuda.Device(device):
-            return cupy.empty(nbytes, dtype=cupy.uint8)
+            return cupy.empty(shape, dtype=element)
+    (nbytes,) = shape
     return DeviceBuffer(nbytes, device)
 
 
@@ -515,9 +524,10 @@ class KVCache:
     Build it with :meth:`wrap` (pools the caller owns; the constructor does the same) or
     :meth:`allocate` (pools this object owns). ``k_pool``/``v_pool`` are the array objects;
     ``k_ptr``/``v_ptr`` their device addresses; ``device`` the CUDA ordinal (None where no driver
-    can tell); ``backend`` where :meth:`decode_workspace` allocates ("torch" or "cupy" for such
-    pools, else "cuda"). Pool sizes are checked in BYTES against ``layout.k_pool_bytes`` /
-    ``layout.v_pool_bytes`` (larger pools are accepted; the pages past ``num_blocks`` are unused).
+    can tell); ``backend`` where :meth:`decode_workspace` and :func:`dequantize_kv` allocate
+    ("torch" or "cupy" for such pools, else "cuda"). Pool sizes are checked in BYTES against
+    ``layout.k_pool_bytes`` / ``layout.v_pool_bytes`` (larger pools are accepted; the pages past
+    ``num_blocks`` are unused).
     """
 
     k_pool: Any = field(repr=False)
@@ -561,8 +571,8 @@ class KVCache:
         _check_backend(backend)
         _check_layout(layout)
         _positive_finite("k_scale", k_scale)
-        k_pool = _allocate_bytes(backend, layout.k_pool_bytes, device)
-        v_pool = _allocate_bytes(backend, layout.v_pool_bytes, device)
+        k_pool = _allocate(backend, (layout.k_pool_bytes,), "uint8", device)
+        v_pool = _allocate(backend, (layout.v_pool_bytes,), "uint8", device)
         cache = cls(k_pool, v_pool, layout, k_scale)
         cache.owns_memory = True
         return cache
@@ -580,7 +590,7 @@ class KVCache:
                 max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
                 q_stride=num_q_heads * layout.head_dim, sliding_window=sliding_window,
                 k_scale=self.k_scale, **self._layout_args())
-        return _allocate_bytes(self.backend, nbytes, self.device or 0)
+        return _allocate(self.backend, (nbytes,), "uint8", self.device or 0)
 
     def close(self) -> None:
         """Release the pools: owned "cuda" memory is freed, torch/CuPy memory goes back to its
@@ -784,3 +794,52 @@ def _new_output(q: Any) -> Any:
             return cupy.empty(q.shape, dtype=q.dtype)
     raise TypeError(f"out: None needs q to be a torch tensor or a CuPy array, "
                     f"got {type(q).__name__}; pass out")
+
+
+def dequantize_kv(cache: KVCache, slot_mapping: Any, key: Any = None, value: Any = None, *,
+                  stream: Any = None) -> tuple[Any, Any]:
+    """Read cached token rows back into bf16 (``dequantize``, the inverse of the write); returns
+    ``(key, value)``.
+
+    ``slot_mapping``: int64 ``[num_tokens]``, contiguous; ``slot = page * block_size + offset``, a
+    negative slot gives a row of zeros. ``key``, ``value``: writable bf16
+    ``[num_tokens, num_kv_heads*head_dim]`` or ``[num_tokens, num_kv_heads, head_dim]``, each row
+    contiguous, any row stride (ELEMENTS) of at least a row; only the row elements are written.
+    None allocates a dense ``[num_tokens, num_kv_heads, head_dim]`` array from the cache's backend
+    on its device (torch or CuPy pools only, on their allocator's current stream; a "cuda"-backend
+    cache needs both outputs). Elements are ``E4M3(K byte) * cache.k_scale`` and
+    ``level[code] * E4M3(group scale)``, computed in float32 and rounded to bf16 (docs/format.md
+    §2, §3). Streams: see the module docstring. Asynchronous.
+    """
+    layout = _open(cache).layout
+    call = _Call.gather(stream, slot_mapping=slot_mapping, key=key, value=value)
+    _check_array(call["slot_mapping"], "int64", (None,), "[num_tokens] (1-D)")
+    num_tokens = call["slot_mapping"].shape[0]
+    outputs = {"key": key, "value": value}
+    strides = {}
+    for name in outputs:
+        if outputs[name] is None:
+            outputs[name] = _new_token_rows(cache, name, num_tokens)
+            call.arrays[name] = _describe(name, outputs[name])
+        strides[name] = _check_token_rows(call[name], layout)
+        if call[name].shape[0] != num_tokens:
+            raise ArgumentError(name, f"{call[name].shape[0]} rows",
+                                f"{num_tokens} (as slot_mapping)")
+        _check_writable(call[name])
+    with call.launching(cache):
+        ops.dequantize(
+            k_cache=cache.k_ptr, v_cache=cache.v_ptr, slot_mapping=call["slot_mapping"].ptr,
+            key=call["key"].ptr, value=call["value"].ptr, num_tokens=num_tokens,
+            key_stride=strides["key"], value_stride=strides["value"], k_scale=cache.k_scale,
+            stream=call.stream, **cache._layout_args())
+    return outputs["key"], outputs["value"]
+
+
+def _new_token_rows(cache: KVCache, name: str, num_tokens: int) -> Any:
+    """A dense bf16 ``[num_tokens, num_kv_heads, head_dim]`` array from the cache's backend, on
+    its device; "cuda" pools have no bf16 arrays to go with them."""
+    if cache.backend not in ("torch", "cupy"):
+        raise TypeError(f"{name}: None needs a cache with torch or CuPy pools, got backend "
+                        f"{cache.backend!r}; pass {name}")
+    shape = (num_tokens, cache.layout.num_kv_heads, cache.layout.head_dim)
+    return _allocate(cache.backend, shape, "bfloat16", cache.device or 0)

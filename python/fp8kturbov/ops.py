@@ -14,7 +14,7 @@ import operator
 from typing import Any
 
 from ._errors import InvalidValueError, Status
-from ._lib import DecodeParams, WriteParams, check, lib
+from ._lib import DecodeParams, DequantizeParams, WriteParams, check, lib
 
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -91,6 +91,15 @@ def _fill(params: ctypes.Structure, values: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
+def _params(params_type: type[ctypes.Structure], init, fields: dict[str, Any]) -> ctypes.Structure:
+    """A ``params_type`` struct set to its defaults by the C ``init``, then to ``fields`` (each
+    range-checked by its C type)."""
+    params = params_type()
+    init(ctypes.byref(params))
+    _fill(params, fields)
+    return params
+
+
 def reshape_and_cache(
     key: int, value: int, k_cache: int, v_cache: int, slot_mapping: int, *,
     num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -99,18 +108,25 @@ def reshape_and_cache(
     stream: Any = None,
 ) -> None:
     """Write K/V rows into the pools (``fp8kturbov_reshape_and_cache``); see the C header."""
-    fields = dict(locals())
-    params = WriteParams()
-    lib.fp8kturbov_write_params_init(ctypes.byref(params))
-    _fill(params, fields)
+    params = _params(WriteParams, lib.fp8kturbov_write_params_init, dict(locals()))
     check(lib.fp8kturbov_reshape_and_cache(ctypes.byref(params), stream_handle(stream)))
 
 
+def dequantize(
+    k_cache: int, v_cache: int, slot_mapping: int, key: int, value: int, *,
+    num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
+    key_stride: int, value_stride: int, k_scale: float, v_bits: int,
+    k_block_stride_bytes: int, v_block_stride_bytes: int, v_data_section_bytes: int,
+    stream: Any = None,
+) -> None:
+    """Read slots of the pools back into bf16 K/V rows (``fp8kturbov_dequantize``); see the C
+    header. ``key``/``value`` are written at ``t*key_stride`` / ``t*value_stride`` (ELEMENTS)."""
+    params = _params(DequantizeParams, lib.fp8kturbov_dequantize_params_init, dict(locals()))
+    check(lib.fp8kturbov_dequantize(ctypes.byref(params), stream_handle(stream)))
+
+
 def _decode_params(fields: dict[str, Any]) -> DecodeParams:
-    params = DecodeParams()
-    lib.fp8kturbov_decode_params_init(ctypes.byref(params))
-    _fill(params, fields)
-    return params
+    return _params(DecodeParams, lib.fp8kturbov_decode_params_init, fields)
 
 
 def paged_decode_attn(

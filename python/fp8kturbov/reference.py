@@ -18,7 +18,7 @@ __all__ = [
     "BOUNDS", "CODEBOOKS", "E4M3_MAX", "GROUP_ELEMS", "LEVEL_MAX",
     "k_page_bytes", "v_data_section_bytes", "v_scale_section_bytes", "v_page_bytes", "v_group_bytes",
     "e4m3_encode", "e4m3_decode", "encode_k", "decode_k", "pack_codes", "unpack_codes",
-    "encode_v", "decode_v", "write_cache", "paged_decode",
+    "encode_v", "decode_v", "write_cache", "dequantize_cache", "paged_decode",
     "V_ENCODERS", "MSE_CANDIDATE_BYTES", "ROTATION_DIMS", "rotation_signs", "hadamard", "rotate", "unrotate",
 ]
 
@@ -344,7 +344,7 @@ def unrotate(y: ArrayLike, head_dim: int) -> NDArray[np.float64]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Cache write (FORMAT.md §4) and paged decode attention (FORMAT.md §5)
+# Cache write (FORMAT.md §4), its inverse, and paged decode attention (FORMAT.md §5)
 # ---------------------------------------------------------------------------------------------------
 def _check_layout(block_size: int, num_kv_heads: int, head_dim: int, bits: int, k_block_stride_bytes: int,
                   v_block_stride_bytes: int, data_section_bytes: int) -> None:
@@ -408,6 +408,48 @@ def _gather_rows(pool: NDArray[np.uint8], starts: NDArray[np.int64], row_bytes: 
     return pool[starts[:, None] + np.arange(row_bytes, dtype=np.int64)]
 
 
+def dequantize_cache(k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], slot_mapping: ArrayLike,
+                     num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int, k_scale: float,
+                     k_block_stride_bytes: int, v_block_stride_bytes: int, v_data_section_bytes: int,
+                     bits: int) -> tuple[NDArray, NDArray]:
+    """``dequantize``: read ``num_tokens`` slots of the K and V pools back into bfloat16 rows.
+
+    ``k_cache``/``v_cache``: flat uint8 pools, read at the byte addresses of `write_cache`.
+    ``slot_mapping``: int64, ``slot = page·B + offset``; a negative slot gives a row of zeros.
+    Returns ``(key, value)``, bfloat16 ``[num_tokens, n]`` each (row stride n elements), where
+      K element e = ``float(E4M3(K byte e)) · k_scale``                        (`decode_k`, §2)
+      V element e = ``level[code e] · float(E4M3(scale byte of group e // 16))``  (`decode_v`, §3.4)
+    each product in float32, then rounded to bfloat16 (round to nearest even).
+    """
+    _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
+                  v_data_section_bytes)
+    n = num_kv_heads * head_dim
+    key = np.zeros((num_tokens, n), dtype=np.float32)
+    value = np.zeros((num_tokens, n), dtype=np.float32)
+    slots = np.asarray(slot_mapping, dtype=np.int64)[:num_tokens]
+    read = slots >= 0  # negative slots keep their zeros
+    pages, offsets = np.divmod(slots[read], block_size)
+    k_bytes, v_data, v_scales = _read_rows(k_cache, v_cache, pages, offsets, n, bits, k_block_stride_bytes,
+                                           v_block_stride_bytes, v_data_section_bytes)
+    key[read] = decode_k(k_bytes, k_scale)
+    value[read] = decode_v(v_data, v_scales, bits)
+    return key.astype(ml_dtypes.bfloat16), value.astype(ml_dtypes.bfloat16)
+
+
+def _read_rows(k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], pages: NDArray[np.int64],
+               offsets: NDArray[np.int64], n: int, bits: int, k_block_stride_bytes: int,
+               v_block_stride_bytes: int, v_data_section_bytes: int
+               ) -> tuple[NDArray[np.uint8], NDArray[np.uint8], NDArray[np.uint8]]:
+    """The K bytes ``[R, n]``, V codes ``[R, n·b/8]`` and V scale bytes ``[R, n/16]`` of the rows at
+    ``(pages[i], offsets[i])``, from the byte addresses of `write_cache`."""
+    row_data_bytes = n * bits // 8
+    row_scale_bytes = n // GROUP_ELEMS
+    v_pages = pages * v_block_stride_bytes
+    return (_gather_rows(k_cache, pages * k_block_stride_bytes + offsets * n, n),
+            _gather_rows(v_cache, v_pages + offsets * row_data_bytes, row_data_bytes),
+            _gather_rows(v_cache, v_pages + v_data_section_bytes + offsets * row_scale_bytes, row_scale_bytes))
+
+
 def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], block_tables: ArrayLike,
                  seq_lens: ArrayLike, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float,
@@ -436,8 +478,6 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
     _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
                   v_data_section_bytes)
     group_size = num_q_heads // num_kv_heads
-    row_data_bytes = n * bits // 8
-    row_scale_bytes = n // GROUP_ELEMS
     q_flat = np.asarray(q).reshape(-1)
     tables = np.asarray(block_tables, dtype=np.int64).reshape(num_seqs, max_blocks_per_seq)
     out = np.zeros((num_seqs, num_q_heads, head_dim), dtype=np.float64)
@@ -450,10 +490,8 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
         pages = tables[s, positions // block_size]
         offsets = positions % block_size
 
-        k_bytes = _gather_rows(k_cache, pages * k_block_stride_bytes + offsets * n, n)
-        v_data = _gather_rows(v_cache, pages * v_block_stride_bytes + offsets * row_data_bytes, row_data_bytes)
-        v_scales = _gather_rows(v_cache, pages * v_block_stride_bytes + v_data_section_bytes
-                                + offsets * row_scale_bytes, row_scale_bytes)
+        k_bytes, v_data, v_scales = _read_rows(k_cache, v_cache, pages, offsets, n, bits, k_block_stride_bytes,
+                                               v_block_stride_bytes, v_data_section_bytes)
         k = decode_k(k_bytes, k_scale).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
         v = decode_v(v_data, v_scales, bits).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
 

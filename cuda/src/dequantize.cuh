@@ -1,0 +1,79 @@
+// The dequantize (pages -> bf16): the write's inverse, K = E4M3(byte)·k_scale and
+// V = level[code]·E4M3(scale), each product rounded once to bf16 (FORMAT §2, §3).
+#pragma once
+
+#include "format.cuh"
+#include "kernel_args.h"
+
+namespace fp8kturbov {
+
+// Stores 16 floats as bf16: two 16-byte stores when the rows allow it, else element by element.
+__device__ __forceinline__ void store_bf16_group(uint16_t* dst, bool vector_stores,
+                                                 const float (&x)[kGroupElems]) {
+  uint16_t bits[kGroupElems];
+#pragma unroll
+  for (int i = 0; i < kGroupElems; ++i) bits[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[i]));
+  if (vector_stores) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = bits[8 * h + 2 * i] | (uint32_t(bits[8 * h + 2 * i + 1]) << 16);
+      reinterpret_cast<uint4*>(dst)[h] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kGroupElems; ++i) dst[i] = bits[i];
+  }
+}
+
+// One thread per (token, 16-element group), like the write.
+template <int BITS>
+__global__ void __launch_bounds__(kWriteThreads) dequantize_kernel(const DequantizeArgs a) {
+  __shared__ float levels_s[1 << BITS];  // shared, not constant: the codes differ between threads
+  if (threadIdx.x < (1 << BITS)) levels_s[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
+  __syncthreads();
+  const uint32_t groups_per_row = a.row_elems / kGroupElems;
+  const uint64_t index = uint64_t(blockIdx.x) * kWriteThreads + threadIdx.x;
+  const uint64_t token = index / groups_per_row;
+  const uint32_t group = uint32_t(index % groups_per_row);
+  if (token >= a.num_tokens) return;
+  const int64_t slot = __ldg(a.slot_mapping + token);
+  float k[kGroupElems], v[kGroupElems];
+  if (slot < 0) {  // padding: a row of zeros
+#pragma unroll
+    for (int i = 0; i < kGroupElems; ++i) k[i] = v[i] = 0.0f;
+  } else {
+    const uint64_t page = uint64_t(slot) / a.block_size;
+    const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
+    const uint4 k_chunk = __ldg(reinterpret_cast<const uint4*>(
+        a.k_cache + page * a.k_block_stride_bytes + uint64_t(offset) * a.row_elems + group * kGroupElems));
+    const uint8_t* k_bytes = reinterpret_cast<const uint8_t*>(&k_chunk);
+#pragma unroll
+    for (int i = 0; i < kGroupElems; ++i) k[i] = __fmul_rn(e4m3_decode(k_bytes[i]), a.k_scale);
+
+    const VPageLayout layout{uint64_t(a.row_elems) * BITS / 8, a.row_elems / kGroupElems,
+                             a.v_data_section_bytes};
+    const uint8_t* v_page = a.v_cache + page * a.v_block_stride_bytes;
+    uint8_t codes[2 * BITS];
+#pragma unroll
+    for (int j = 0; j < 2 * BITS; ++j) codes[j] = __ldg(v_page + layout.data_offset(offset, group, BITS) + j);
+    const float scale = e4m3_decode(__ldg(v_page + layout.scale_offset(offset, group)));
+#pragma unroll
+    for (int i = 0; i < kGroupElems; ++i) v[i] = __fmul_rn(levels_s[unpack_code<BITS>(codes, i)], scale);
+  }
+  store_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_stores, k);
+  store_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_stores, v);
+}
+
+template <int BITS>
+cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream) {
+  const uint64_t threads = uint64_t(args.num_tokens) * (args.row_elems / kGroupElems);
+  const dim3 grid(unsigned((threads + kWriteThreads - 1) / kWriteThreads));
+  DequantizeArgs kernel_args = args;
+  void* params[] = {&kernel_args};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&dequantize_kernel<BITS>), grid,
+                          dim3(kWriteThreads), params, 0, stream);
+}
+
+}  // namespace fp8kturbov
