@@ -264,7 +264,7 @@ def test_write_confines_nan_inf_to_their_row_and_group(rng, bits):
 
 
 def test_tiny_k_scale_turns_zero_keys_into_nan():
-    """Why the write refuses a k_scale below ~2^-128 (RELIABILITY.md §4.4, tested in test_abi.py):
+    """Why the write refuses a k_scale below ~2^-128 (RELIABILITY.md §4.5, tested in test_abi.py):
     the fp32 reciprocal is inf, so FORMAT §2 would turn a zero key into 0·inf = NaN (0x7F)."""
     tiny = 1e-39  # positive, finite, subnormal: accepted by the host validation
     with np.errstate(over="ignore", invalid="ignore"):

@@ -107,6 +107,21 @@ static fp8kturbov_write_params_t valid_write(void) {
   return p;
 }
 
+static fp8kturbov_dequantize_params_t valid_dequantize(void) {
+  fp8kturbov_dequantize_params_t p;
+  fp8kturbov_dequantize_params_init(&p);
+  p.num_kv_heads = HKV;
+  p.head_dim = D;
+  p.block_size = B;
+  p.key_stride = N;
+  p.value_stride = N;
+  p.k_scale = 1.0f;
+  p.k_block_stride_bytes = K_PAGE;
+  p.v_block_stride_bytes = V_PAGE(3);
+  p.v_data_section_bytes = V_DATA(3);
+  return p;
+}
+
 static fp8kturbov_decode_params_t valid_decode(void) {
   fp8kturbov_decode_params_t p;
   fp8kturbov_decode_params_init(&p);
@@ -222,6 +237,24 @@ static void test_fixed_bits_entry_points(void) {
                 "max_blocks_per_seq = 0");
 }
 
+static void test_dequantize_entry_point(void) {
+  const char* name = "fp8kturbov_dequantize";
+  fp8kturbov_dequantize_params_t p = valid_dequantize();
+  CHECK(p.struct_size == sizeof p && p.v_bits == 3);
+  CHECK_SUCCESS(fp8kturbov_dequantize(&p, NULL));
+  p.value_stride = N - 1;
+  CHECK_FAILURE(fp8kturbov_dequantize(&p, NULL), FP8KTURBOV_STATUS_INVALID_VALUE, name,
+                "value_stride = ");
+  p = valid_dequantize();
+  p.num_tokens = 1; /* work, and every pointer NULL */
+  CHECK_FAILURE(fp8kturbov_dequantize(&p, NULL), FP8KTURBOV_STATUS_NULL_POINTER, name,
+                "k_cache is NULL");
+  p = valid_dequantize();
+  p.struct_size = sizeof p - 8;
+  CHECK_FAILURE(fp8kturbov_dequantize(&p, NULL), FP8KTURBOV_STATUS_BAD_STRUCT_SIZE, name,
+                "struct_size");
+}
+
 int main(void) {
   test_versions();
   test_status_strings();
@@ -229,6 +262,7 @@ int main(void) {
   test_params_init();
   test_generic_entry_points();
   test_fixed_bits_entry_points();
+  test_dequantize_entry_point();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
