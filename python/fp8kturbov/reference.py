@@ -455,15 +455,30 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
                  num_kv_heads: int, head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float,
                  q_stride: int, v_block_stride_bytes: int, v_data_section_bytes: int, sliding_window: int,
                  bits: int, k_block_stride_bytes: int | None = None,
-                 sparse_v_threshold: float = 0.0) -> NDArray[np.float64]:
-    """Paged decode attention over the cache, FORMAT.md §5, in float64. Returns ``[num_seqs, num_q_heads, D]``.
+                 sparse_v_threshold: float = 0.0, *, query_start: ArrayLike | None = None,
+                 sinks: ArrayLike | None = None, soft_cap: float = 0.0) -> NDArray[np.float64]:
+    """Paged decode attention over the cache, FORMAT.md §5, in float64. Returns ``[R, num_q_heads, D]``:
+    R = ``num_seqs`` query rows, or ``query_start[-1]`` with ``query_start``.
 
-    ``q``: float32/bfloat16, sequence ``s`` head ``h`` at flat element ``s·q_stride + h·D``.
+    ``q``: float32/bfloat16, query row ``r`` head ``h`` at flat element ``r·q_stride + h·D`` (row ``r`` =
+    sequence ``r`` without ``query_start``).
     ``block_tables``: ``[num_seqs][max_blocks_per_seq]`` page ids; position ``p`` lives in page
     ``block_tables[s, p // B]`` at offset ``p % B``. ``k_block_stride_bytes`` defaults to ``B·n``.
     K and V are dequantised exactly as `decode_k`/`decode_v` (float32), then cast to float64.
-    Query head ``h`` uses KV head ``h // G``; positions ``[start, L)`` with ``start = L − W`` when
-    ``0 < W < L``, else 0; ``score_p = (q · k_p) · inv_sqrt_d``; ``L == 0`` gives zeros.
+    Query head ``h`` uses KV head ``h // G``; a query row attends positions ``[start, end)``: for one
+    query per sequence ``end = L`` (``seq_lens[s]``), ``start = end − W`` when ``0 < W < end``, else 0;
+    ``score_p = (q · k_p) · inv_sqrt_d``; an empty range gives zeros.
+
+    Options (off by default; the original's semantics then):
+
+    - ``query_start`` (multi-token decode, for speculative and chunked decode): int ``[num_seqs + 1]``,
+      non-decreasing from 0; sequence ``s`` owns query rows ``query_start[s] … query_start[s+1] − 1``,
+      ``q_len = query_start[s+1] − query_start[s]`` ≤ ``L``. Its token ``i`` (row ``query_start[s] + i``)
+      is the sequence's position ``L − q_len + i``, so it attends ``end = L − q_len + i + 1`` (causal
+      inside the chunk), with the window counted back from that ``end``.
+    - ``soft_cap`` (> 0): logit soft-capping, ``score_p ← cap · tanh(score_p / cap)``.
+    - ``sinks``: float ``[num_q_heads]``, one learned logit per query head that joins the softmax
+      denominator only: ``out = Σ_p e^(score_p − m)·v_p / (Σ_p e^(score_p − m) + e^(sink_h − m))``.
 
     Sparse V (``sparse_v_threshold`` τ > 0): positions are visited in order, ``m`` is the maximum score
     seen so far including ``p``; the V row of ``p`` is skipped when ``exp(score_p − m) ≤ τ`` but ``p``
@@ -477,16 +492,20 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
         k_block_stride_bytes = block_size * n
     _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
                   v_data_section_bytes)
+    if not soft_cap >= 0:
+        raise ValueError(f"soft_cap {soft_cap} must be >= 0")
+    starts = _query_starts(query_start, seq_lens, num_seqs)
+    sink_logits = None if sinks is None else np.asarray(sinks, dtype=np.float64).reshape(num_q_heads)
     group_size = num_q_heads // num_kv_heads
     q_flat = np.asarray(q).reshape(-1)
     tables = np.asarray(block_tables, dtype=np.int64).reshape(num_seqs, max_blocks_per_seq)
-    out = np.zeros((num_seqs, num_q_heads, head_dim), dtype=np.float64)
+    out = np.zeros((int(starts[-1]), num_q_heads, head_dim), dtype=np.float64)
     for s in range(num_seqs):
         seq_len = int(seq_lens[s])
-        start = seq_len - sliding_window if 0 < sliding_window < seq_len else 0
-        if seq_len == 0:
+        q_len = int(starts[s + 1] - starts[s])
+        if seq_len == 0 or q_len == 0:
             continue
-        positions = np.arange(start, seq_len, dtype=np.int64)
+        positions = np.arange(seq_len, dtype=np.int64)
         pages = tables[s, positions // block_size]
         offsets = positions % block_size
 
@@ -495,15 +514,36 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
         k = decode_k(k_bytes, k_scale).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
         v = decode_v(v_data, v_scales, bits).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
 
-        for h in range(num_q_heads):
-            kv_head = h // group_size
-            q_start = s * q_stride + h * head_dim
-            q_head = q_flat[q_start:q_start + head_dim].astype(np.float64)
-            scores = (k[:, kv_head, :] @ q_head) * float(inv_sqrt_d)
-            weights = np.exp(scores - scores.max())
-            keep = np.ones(len(scores), dtype=bool)
-            if sparse_v_threshold > 0:
-                running_max = np.maximum.accumulate(scores)
-                keep = np.exp(scores - running_max) > sparse_v_threshold
-            out[s, h] = (weights[keep] @ v[keep, kv_head, :]) / weights.sum()
+        for i in range(q_len):
+            row = int(starts[s]) + i
+            end = seq_len - q_len + i + 1
+            start = end - sliding_window if 0 < sliding_window < end else 0
+            for h in range(num_q_heads):
+                kv_head = h // group_size
+                q_start = row * q_stride + h * head_dim
+                q_head = q_flat[q_start:q_start + head_dim].astype(np.float64)
+                scores = (k[start:end, kv_head, :] @ q_head) * float(inv_sqrt_d)
+                if soft_cap > 0:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
+                top = scores.max() if sink_logits is None else max(scores.max(), sink_logits[h])
+                weights = np.exp(scores - top)
+                denominator = weights.sum() + (0.0 if sink_logits is None else np.exp(sink_logits[h] - top))
+                keep = np.ones(len(scores), dtype=bool)
+                if sparse_v_threshold > 0:
+                    running_max = np.maximum.accumulate(scores)
+                    keep = np.exp(scores - running_max) > sparse_v_threshold
+                out[row, h] = (weights[keep] @ v[start:end][keep, kv_head, :]) / denominator
     return out
+
+
+def _query_starts(query_start: ArrayLike | None, seq_lens: ArrayLike, num_seqs: int) -> NDArray[np.int64]:
+    """``query_start`` checked (non-decreasing from 0, ``q_len ≤ seq_len``), or one query per sequence."""
+    if query_start is None:
+        return np.arange(num_seqs + 1, dtype=np.int64)
+    starts = np.asarray(query_start, dtype=np.int64).reshape(-1)
+    if starts.shape != (num_seqs + 1,) or starts[0] != 0 or np.any(np.diff(starts) < 0):
+        raise ValueError(f"query_start must be non-decreasing from 0 with num_seqs + 1 = {num_seqs + 1} entries")
+    lengths = np.asarray(seq_lens, dtype=np.int64)[:num_seqs]
+    if np.any(np.diff(starts) > lengths):
+        raise ValueError("a sequence has more query tokens (query_start) than positions (seq_lens)")
+    return starts
