@@ -92,33 +92,31 @@ static void test_sizes(void) {
 }
 
 /* Valid parameters (packed pages, 3-bit V, NULL pointers, zero work). */
+/* The token-row fields that the write and the dequantize structs share, for the layout above. */
+#define SET_TOKEN_ROWS(p)                \
+  do {                                   \
+    (p).num_kv_heads = HKV;              \
+    (p).head_dim = D;                    \
+    (p).block_size = B;                  \
+    (p).key_stride = N;                  \
+    (p).value_stride = N;                \
+    (p).k_scale = 1.0f;                  \
+    (p).k_block_stride_bytes = K_PAGE;   \
+    (p).v_block_stride_bytes = V_PAGE(3); \
+    (p).v_data_section_bytes = V_DATA(3); \
+  } while (0)
+
 static fp8kturbov_write_params_t valid_write(void) {
   fp8kturbov_write_params_t p;
   fp8kturbov_write_params_init(&p);
-  p.num_kv_heads = HKV;
-  p.head_dim = D;
-  p.block_size = B;
-  p.key_stride = N;
-  p.value_stride = N;
-  p.k_scale = 1.0f;
-  p.k_block_stride_bytes = K_PAGE;
-  p.v_block_stride_bytes = V_PAGE(3);
-  p.v_data_section_bytes = V_DATA(3);
+  SET_TOKEN_ROWS(p);
   return p;
 }
 
 static fp8kturbov_dequantize_params_t valid_dequantize(void) {
   fp8kturbov_dequantize_params_t p;
   fp8kturbov_dequantize_params_init(&p);
-  p.num_kv_heads = HKV;
-  p.head_dim = D;
-  p.block_size = B;
-  p.key_stride = N;
-  p.value_stride = N;
-  p.k_scale = 1.0f;
-  p.k_block_stride_bytes = K_PAGE;
-  p.v_block_stride_bytes = V_PAGE(3);
-  p.v_data_section_bytes = V_DATA(3);
+  SET_TOKEN_ROWS(p);
   return p;
 }
 
