@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "fp8kturbov.h"
 #include "format.cuh"
@@ -39,6 +40,17 @@ fp8kturbov_status_t report_launch(cudaError_t err, const char* entry) {
 }
 
 bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+bool is_aligned2(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 1u) == 0; }
+
+// The write and dequantize kernels access the bf16 rows element by element where they cannot
+// vectorise, so an odd address would fault inside the kernel instead of failing here.
+fp8kturbov_status_t check_bf16_rows_aligned(const char* entry, const void* key, const void* value) {
+  if (!is_aligned2(key))
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "key = %p is not 2-byte aligned", key);
+  if (!is_aligned2(value))
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "value = %p is not 2-byte aligned", value);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
 
 // Returns SUCCESS or the first violated rule of the K and V page layout (FORMAT §2, §3).
 fp8kturbov_status_t check_pool_layout(const char* entry, uint32_t block_size, uint64_t row_elems,
@@ -140,9 +152,19 @@ fp8kturbov_status_t check_token_rows(const char* entry, const Params& p, uint64_
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
-fp8kturbov_status_t unsupported_bits(const char* entry, uint32_t bits) {
-  return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
-              "v_bits = %u was not built (CMake option FP8KTURBOV_V_BITS)", bits);
+// Calls launch(std::integral_constant<int, BITS>) for the built width `bits` and reports it.
+template <typename Launch>
+fp8kturbov_status_t launch_for_bits(const char* entry, uint32_t bits, Launch launch) {
+  switch (bits) {
+#define FP8KTURBOV_BITS_CASE(BITS) \
+  case BITS:                       \
+    return report_launch(launch(std::integral_constant<int, BITS>{}), entry);
+#include "dispatch_bits.inc"
+#undef FP8KTURBOV_BITS_CASE
+    default:
+      return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                  "v_bits = %u was not built (CMake option FP8KTURBOV_V_BITS)", bits);
+  }
 }
 
 }  // namespace
@@ -162,6 +184,7 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   FP8KTURBOV_REQUIRE_POINTER(k_cache);
   FP8KTURBOV_REQUIRE_POINTER(v_cache);
   FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
+  FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
 
   const WriteArgs args{static_cast<const uint16_t*>(p.key),
                        static_cast<const uint16_t*>(p.value),
@@ -179,20 +202,12 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                        p.k_block_stride_bytes,
                        p.v_block_stride_bytes,
                        p.v_data_section_bytes};
-  switch (p.v_bits) {
-#define FP8KTURBOV_BITS_CASE(BITS) \
-  case BITS:                       \
-    return report_launch(launch_reshape_and_cache<BITS>(args, stream), entry);
-#include "dispatch_bits.inc"
-#undef FP8KTURBOV_BITS_CASE
-    default:
-      return unsupported_bits(entry, p.v_bits);
-  }
+  return launch_for_bits(entry, p.v_bits, [&](auto bits) {
+    return launch_reshape_and_cache<decltype(bits)::value>(args, stream);
+  });
 }
 
 namespace {
-
-bool is_aligned2(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 1u) == 0; }
 
 fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequantize_params_t& p,
                                     cudaStream_t stream) {
@@ -205,10 +220,7 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
   FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
   FP8KTURBOV_REQUIRE_POINTER(key);
   FP8KTURBOV_REQUIRE_POINTER(value);
-  if (!is_aligned2(p.key))
-    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "key = %p is not 2-byte aligned", p.key);
-  if (!is_aligned2(p.value))
-    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "value = %p is not 2-byte aligned", p.value);
+  FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
 
   const DequantizeArgs args{static_cast<const uint8_t*>(p.k_cache),
                             static_cast<const uint8_t*>(p.v_cache),
@@ -226,15 +238,9 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
                             p.k_block_stride_bytes,
                             p.v_block_stride_bytes,
                             p.v_data_section_bytes};
-  switch (p.v_bits) {
-#define FP8KTURBOV_BITS_CASE(BITS) \
-  case BITS:                       \
-    return report_launch(launch_dequantize<BITS>(args, stream), entry);
-#include "dispatch_bits.inc"
-#undef FP8KTURBOV_BITS_CASE
-    default:
-      return unsupported_bits(entry, p.v_bits);
-  }
+  return launch_for_bits(entry, p.v_bits, [&](auto bits) {
+    return launch_dequantize<decltype(bits)::value>(args, stream);
+  });
 }
 
 }  // namespace

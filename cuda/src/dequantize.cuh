@@ -4,6 +4,7 @@
 
 #include "format.cuh"
 #include "kernel_args.h"
+#include "reshape_and_cache.cuh"  // load_levels, token_group_of_thread
 
 namespace fp8kturbov {
 
@@ -30,13 +31,11 @@ __device__ __forceinline__ void store_bf16_group(uint16_t* dst, bool vector_stor
 // One thread per (token, 16-element group), like the write.
 template <int BITS>
 __global__ void __launch_bounds__(kWriteThreads) dequantize_kernel(const DequantizeArgs a) {
-  __shared__ float levels_s[1 << BITS];  // shared, not constant: the codes differ between threads
-  if (threadIdx.x < (1 << BITS)) levels_s[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
-  __syncthreads();
-  const uint32_t groups_per_row = a.row_elems / kGroupElems;
-  const uint64_t index = uint64_t(blockIdx.x) * kWriteThreads + threadIdx.x;
-  const uint64_t token = index / groups_per_row;
-  const uint32_t group = uint32_t(index % groups_per_row);
+  __shared__ float levels_s[1 << BITS];
+  load_levels<BITS>(levels_s);
+  uint64_t token;
+  uint32_t group;
+  token_group_of_thread(a.row_elems, token, group);
   if (token >= a.num_tokens) return;
   const int64_t slot = __ldg(a.slot_mapping + token);
   float k[kGroupElems], v[kGroupElems];
@@ -68,12 +67,7 @@ __global__ void __launch_bounds__(kWriteThreads) dequantize_kernel(const Dequant
 
 template <int BITS>
 cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream) {
-  const uint64_t threads = uint64_t(args.num_tokens) * (args.row_elems / kGroupElems);
-  const dim3 grid(unsigned((threads + kWriteThreads - 1) / kWriteThreads));
-  DequantizeArgs kernel_args = args;
-  void* params[] = {&kernel_args};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&dequantize_kernel<BITS>), grid,
-                          dim3(kWriteThreads), params, 0, stream);
+  return launch_per_token_group(reinterpret_cast<const void*>(&dequantize_kernel<BITS>), args, stream);
 }
 
 }  // namespace fp8kturbov

@@ -60,6 +60,17 @@ struct DecodeArgs {
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream);
 
+// The grid of the write and the dequantize: one thread per (token, 16-element group) in CTAs of
+// kWriteThreads (the validation keeps the CTA count below 2^31).
+template <typename Args>
+cudaError_t launch_per_token_group(const void* kernel, const Args& args, cudaStream_t stream) {
+  const uint64_t threads = uint64_t(args.num_tokens) * (args.row_elems / 16);
+  const dim3 grid(unsigned((threads + kWriteThreads - 1) / kWriteThreads));
+  Args kernel_args = args;
+  void* params[] = {&kernel_args};
+  return cudaLaunchKernel(kernel, grid, dim3(kWriteThreads), params, 0, stream);
+}
+
 // Arguments of one dequantize, after validation (the write's row and pool rules).
 struct DequantizeArgs {
   const uint8_t* k_cache;
@@ -86,7 +97,7 @@ cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 // Decode work units (shared by the planner and the kernel).
 constexpr int kDecodeTileTokens = 16;   // positions per mma tile
 constexpr int kDecodeHeadsPerCta = 8;   // query heads of one GQA group per CTA
-constexpr int kDecodeCtasPerSm = 4;     // resident CTAs per multiprocessor the planner aims for
+constexpr int kDecodeCtasPerSm = 4;     // launch bounds: registers sized for 4 resident CTAs per SM
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
 constexpr int kDecodeMaxSplits = 1024;  // context splits per sequence at most
 constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode occupancy is cached

@@ -49,17 +49,31 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&bytes)
   }
 }
 
+// Copies the codebook levels into shared memory for the CTA: the codes differ between threads,
+// and constant memory serialises a warp's reads of different addresses.
+template <int BITS>
+__device__ __forceinline__ void load_levels(float (&levels_s)[1 << BITS]) {
+  if (threadIdx.x < (1 << BITS)) levels_s[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
+  __syncthreads();
+}
+
+// This thread's (token, 16-element group) in the grid of launch_per_token_group.
+__device__ __forceinline__ void token_group_of_thread(uint32_t row_elems, uint64_t& token, uint32_t& group) {
+  const uint32_t groups_per_row = row_elems / kGroupElems;
+  const uint64_t index = uint64_t(blockIdx.x) * kWriteThreads + threadIdx.x;
+  token = index / groups_per_row;
+  group = uint32_t(index % groups_per_row);
+}
+
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
 // a thread computes them sequentially, exactly as FORMAT §3.2 orders them.
 template <int BITS>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
   __shared__ float levels_s[1 << BITS];
-  if (threadIdx.x < (1 << BITS)) levels_s[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
-  __syncthreads();
-  const uint32_t groups_per_row = a.row_elems / kGroupElems;
-  const uint64_t index = uint64_t(blockIdx.x) * kWriteThreads + threadIdx.x;
-  const uint64_t token = index / groups_per_row;
-  const uint32_t group = uint32_t(index % groups_per_row);
+  load_levels<BITS>(levels_s);
+  uint64_t token;
+  uint32_t group;
+  token_group_of_thread(a.row_elems, token, group);
   if (token >= a.num_tokens) return;
   // The slot and both input groups are loaded before anything waits on them: for a few tokens
   // the write is one memory round trip plus the encoding.
@@ -92,12 +106,7 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
 
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream) {
-  const uint64_t threads = uint64_t(args.num_tokens) * (args.row_elems / kGroupElems);
-  const dim3 grid(unsigned((threads + kWriteThreads - 1) / kWriteThreads));
-  WriteArgs kernel_args = args;
-  void* params[] = {&kernel_args};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS>), grid,
-                          dim3(kWriteThreads), params, 0, stream);
+  return launch_per_token_group(reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS>), args, stream);
 }
 
 }  // namespace fp8kturbov
