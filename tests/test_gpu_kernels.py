@@ -133,9 +133,9 @@ class DecodeCase:
     table, plus queries and a poisoned output."""
 
     def __init__(self, rng, bits, head_dim, group_size, window, *, q_gain=1.0, seq_lens=None,
-                 block_size=16, v_pad=16):
+                 block_size=16, v_pad=16, num_kv_heads=2):
         self.bits, self.head_dim, self.window = bits, head_dim, window
-        self.num_kv_heads, self.block_size = 2, block_size
+        self.num_kv_heads, self.block_size = num_kv_heads, block_size
         self.num_q_heads = self.num_kv_heads * group_size
         self.seq_lens = np.array(seq_lens or [0, 1, 17, 100, 250, 64], dtype=np.int32)
         self.num_seqs = len(self.seq_lens)
@@ -246,6 +246,22 @@ def test_decode_page_layouts(device, rng, bits, head_dim, block_size, v_pad, spl
     case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=[3001, 1, 100, 250], block_size=block_size,
                       v_pad=v_pad)
     got = case.run(device, sparse_v_threshold=0.0, split=split)
+    err = relative_error_per_head(got, case.reference())
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim, num_kv_heads", [(64, 10), (128, 9), (256, 6), (512, 3)])
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_decode_kv_head_groups(device, rng, bits, head_dim, num_kv_heads, block_size, split):
+    """A CTA reads several KV heads side by side (8 at head_dim <= 128, 4 at 256, 2 at 512): head
+    counts that leave a partial last group, whose copies must stop at the row's end."""
+    case = DecodeCase(rng, bits, head_dim, 2, 0, seq_lens=[700, 1, 0, 129], block_size=block_size,
+                      num_kv_heads=num_kv_heads)
+    got = case.run(device, sparse_v_threshold=0.0, split=split)
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
     err = relative_error_per_head(got, case.reference())
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
