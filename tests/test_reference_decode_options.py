@@ -125,7 +125,8 @@ def test_soft_cap(rng):
     """A cap far above every score changes nothing measurable; a tiny cap flattens every score to
     ~0, which makes the attention the mean of the V rows in range."""
     cache = Cache(rng)
-    np.testing.assert_allclose(cache.decode(soft_cap=1e6), cache.decode(), rtol=1e-9, atol=1e-12)
+    # cap·tanh(s/cap) = s - s³/(3·cap²) + ...: at cap 1e9 the change is below float64 rounding of s.
+    np.testing.assert_allclose(cache.decode(soft_cap=1e9), cache.decode(), rtol=1e-9, atol=1e-12)
     flat = cache.decode(soft_cap=1e-9)
     n, d = cache.num_kv_heads * cache.head_dim, cache.head_dim
     for s, length in enumerate(cache.seq_lens):
