@@ -254,9 +254,9 @@ def test_decode_page_layouts(device, rng, bits, head_dim, block_size, v_pad, spl
 @pytest.mark.parametrize("head_dim, num_kv_heads", [(64, 10), (128, 9), (256, 6), (512, 3)])
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
-def test_decode_kv_head_groups(device, rng, bits, head_dim, num_kv_heads, block_size, split):
-    """A CTA reads several KV heads side by side (8 at head_dim <= 128, 4 at 256, 2 at 512): head
-    counts that leave a partial last group, whose copies must stop at the row's end."""
+def test_decode_many_kv_heads(device, rng, bits, head_dim, num_kv_heads, block_size, split):
+    """Many KV heads, counts that are not powers of two: each head's slice of a token row sits at
+    its own offset of the pages' rows (3 to 10 heads per row)."""
     case = DecodeCase(rng, bits, head_dim, 2, 0, seq_lens=[700, 1, 0, 129], block_size=block_size,
                       num_kv_heads=num_kv_heads)
     got = case.run(device, sparse_v_threshold=0.0, split=split)

@@ -278,8 +278,7 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (p.num_q_heads > 65535)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_q_heads = %u exceeds 65535",
                 p.num_q_heads);
-  // A split's CTAs are at most one per (sequence, KV head, chunk of 8 query heads) (a CTA may
-  // take several KV heads); a grid holds < 2^31.
+  // One CTA per (sequence, KV head, chunk of 8 query heads) at least; a grid holds < 2^31.
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
                              decode_chunks_per_group(p.num_q_heads, p.num_kv_heads);
   if (base_ctas > INT32_MAX)
@@ -350,8 +349,7 @@ DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
   DecodePlan plan{};
   plan.chunks_per_group = decode_chunks_per_group(p.num_q_heads, p.num_kv_heads);
   const uint64_t tiles = tiles_per_sequence(p);
-  const uint64_t kv_groups = (p.num_kv_heads + decode_kv_heads_per_cta(p.head_dim) - 1) / decode_kv_heads_per_cta(p.head_dim);
-  const uint64_t base_ctas = uint64_t(p.num_seqs) * kv_groups * plan.chunks_per_group;
+  const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
   const uint64_t slots = uint64_t(std::max(multiprocessors, 1)) * std::max(ctas_per_sm, 1);
   const uint64_t max_splits = std::min<uint64_t>({kDecodeMaxSplits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles),
                                                   INT32_MAX / std::max<uint64_t>(base_ctas, 1),

@@ -96,10 +96,8 @@ cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 
 // Decode work units (shared by the planner and the kernel).
 constexpr int kDecodeTileTokens = 16;   // positions per mma tile
-constexpr int kDecodeHeadsPerCta = 8;   // query heads of one GQA group per warp and KV head
-constexpr int kDecodeWarps = 8;         // warps per CTA: one per (KV head, 128-element d-slice)
-constexpr int kDecodeThreads = 32 * kDecodeWarps;
-constexpr int kDecodeCtasPerSm = 2;     // launch bounds: registers sized for 2 resident CTAs per SM
+constexpr int kDecodeHeadsPerCta = 8;   // query heads of one GQA group per CTA
+constexpr int kDecodeCtasPerSm = 4;     // launch bounds: registers sized for 4 resident CTAs per SM
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
 constexpr int kDecodeMaxSplits = 1024;  // context splits per sequence at most
 constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode occupancy is cached
@@ -113,13 +111,7 @@ struct DecodePlan {
   float* workspace;           // [num_seqs][num_q_heads][num_splits][head_dim + 2] when split
 };
 
-// KV heads one decode CTA reads side by side: a warp per 128 elements of head_dim (a whole head
-// below 128), so that the CTA copies whole contiguous slices of the pages' token rows.
-constexpr int decode_kv_heads_per_cta(uint32_t head_dim) {
-  return kDecodeWarps / (head_dim > 128 ? int(head_dim / 128) : 1);
-}
-
-// CTAs per KV-head group: one per chunk of up to kDecodeHeadsPerCta query heads of a GQA group.
+// CTAs per KV head: one per chunk of up to kDecodeHeadsPerCta query heads of its GQA group.
 inline uint32_t decode_chunks_per_group(uint32_t num_q_heads, uint32_t num_kv_heads) {
   return (num_q_heads / num_kv_heads + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
 }

@@ -1,21 +1,17 @@
 // Paged decode attention over the fp8k_turbo{2,3,4}v cache (FORMAT §5), on tensor cores.
 //
-// Work split. A CTA handles one (sequence, group of KV heads, chunk of up to 8 query heads of each
-// GQA group, context split). The context split (flash-decoding) lets a few long sequences fill the
-// GPU: each split writes an unnormalised partial (O, running max, denominator) to the caller's
-// workspace and a merge kernel combines them in a fixed order, so results are deterministic for a
-// plan.
+// Work split. A CTA handles one (sequence, KV head, chunk of up to 8 query heads of its GQA group,
+// context split). The context split (flash-decoding) lets a few long sequences fill the GPU: each
+// split writes an unnormalised partial (O, running max, denominator) to the caller's workspace and
+// a merge kernel combines them in a fixed order, so results are deterministic for a plan.
 //
-// Inside a CTA, 8 warps each own one KV head's d-slice of kSliceDim (<= 128) elements: 8 heads
-// side by side at head_dim <= 128, 4 at 256 (two warps per head, summing their partial scores), 2
-// at 512. The CTA's KV heads are adjacent in a token row, so the CTA reads each page's rows as a
-// few contiguous pieces (1 KB of K per row at head_dim >= 128): whole DRAM bursts and sectors,
-// where one head's slice alone (128 bytes of K, 24-64 of codes, 4-8 of scales) wastes them.
+// Inside a CTA, 4 warps each own a d-slice of kSliceDim (<= 128) elements and a stream of 16-token
+// tiles; with head_dim > 128 several warps share one stream and sum their partial scores.
 //
-// Memory. All threads copy each 16-token tile into a ring of kDecodeStages stages in shared memory
-// with cp.async (16-byte K copies, V code copies as wide as the pool layout allows), so
-// kDecodeStages - 1 tiles are in flight while one is computed, with one CTA barrier per tile. The
-// page ids travel through the same pipeline, kDecodeStages - 1 tiles ahead of the data, so the
+// Memory. Each warp streams its slice of its tiles through its own ring of kDecodeStages stages in
+// shared memory with cp.async (16-byte K copies, V code copies as wide as the pool layout allows),
+// so kDecodeStages - 1 tiles are in flight while one is computed and no register waits on a load.
+// The page ids travel through the same pipeline, kDecodeStages - 1 tiles ahead of the data, so the
 // block-table latency never stalls a copy.
 //
 // Compute. Per tile a warp computes S^T = K · Q^T (mma m16n8k16, tokens × heads) from FP8 bytes
@@ -36,6 +32,8 @@
 
 namespace fp8kturbov {
 
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kTileTokens = kDecodeTileTokens;    // the mma's M (scores) and K (P·V) extent
 constexpr int kHeadsPerCta = kDecodeHeadsPerCta;  // the mma's N extent
 constexpr float kLog2e = 1.4426950408889634f;
@@ -69,32 +67,15 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2_bits(uint32_t two_bytes) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
-// Four E4M3 bytes to fp16 pairs: lo from bytes 0-1, hi from bytes 2-3. Splitting the word in PTX
-// lets the conversion read the upper half directly instead of after a shift.
-__device__ __forceinline__ void e4m3x4_to_half2x2_bits(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {
-  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
-      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(four_bytes));
-}
-
-// 2^x for x <= 0 with one MUFU instruction; results below 2^-126 flush to 0, which the fp16
-// weights they become would do anyway.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // ---- Asynchronous copies (global -> shared, sm_80+) -----------------------------------------
 
-// Copies BYTES (4, 8 or 16) to shared memory without passing through registers, of which the
-// first src_bytes (0..BYTES) come from global memory and the rest are zero-filled: a row outside
-// the attended range copies nothing (src_bytes 0).
+// Copies BYTES (4, 8 or 16) from global to shared memory without passing through registers; a
+// row outside the attended range copies nothing and zero-fills its bytes (src-size 0).
 template <int BYTES>
-__device__ __forceinline__ void copy_async(void* dst, const void* src, int src_bytes) {
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
   const uint32_t dst_addr = uint32_t(__cvta_generic_to_shared(dst));
+  const uint32_t src_bytes = valid ? BYTES : 0;
   if constexpr (BYTES == 16) {  // streamed once: keep it out of L1
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src),
                  "r"(src_bytes));
@@ -213,54 +194,49 @@ __device__ __forceinline__ float normalize(float o, float l) { return l == 0.0f 
 template <int BITS, int HEAD_DIM>
 struct DecodeShape {
   static constexpr int kSliceDim = HEAD_DIM < 128 ? HEAD_DIM : 128;     // d handled by one warp
-  static constexpr int kSlices = HEAD_DIM / kSliceDim;                   // warps sharing a KV head
-  static constexpr int kKvHeads = kDecodeWarps / kSlices;                // KV heads per CTA
-  static constexpr int kKSteps = kSliceDim / 16;                         // mma k-steps of Q·K
+  static constexpr int kSlices = HEAD_DIM / kSliceDim;                   // warps sharing a stream
+  static constexpr int kStreams = kDecodeWarps / kSlices;                // token streams per CTA
   static constexpr int kKChunks = kSliceDim / 64;                        // 16-byte K reads per row
+  static constexpr int kKSteps = kSliceDim / 16;                         // mma k-steps of Q·K
   static constexpr int kThreadDims = kSliceDim / 8;                      // V d-values per thread
   static constexpr int kMTiles = kSliceDim / 16;                         // mma m-tiles of P·V
   static constexpr int kCodeBytes = kThreadDims * BITS / 8;              // per token per thread
   static_assert(kSliceDim % 64 == 0, "head_dim must be 64, 128, 256 or 512");
-  static_assert(kKvHeads == decode_kv_heads_per_cta(HEAD_DIM), "the planner counts the same CTAs");
 
-  // One pipeline stage: 16 token rows of the CTA's KV heads, each pool's row slice contiguous as
-  // the pages hold it. Code and scale rows are padded by 16 bytes in shared memory so that the
-  // four rows a thread reads fall on different banks; K rows are swizzled instead (k_swizzle).
-  static constexpr int kKRowBytes = kKvHeads * HEAD_DIM;
-  static constexpr int kCodeRowBytes = kKRowBytes * BITS / 8;
-  static constexpr int kScaleRowBytes = kKRowBytes / kGroupElems;
-  static constexpr int kCodeRowStride = kCodeRowBytes + 16;
-  static constexpr int kScaleRowStride = kScaleRowBytes + 16;
+  // One pipeline stage of a warp: its d-slice of one 16-token tile, as the pages hold it.
+  static constexpr int kKRowBytes = kSliceDim;
+  static constexpr int kCodeRowBytes = kSliceDim * BITS / 8;
+  static constexpr int kScaleRowBytes = kSliceDim / kGroupElems;
   static constexpr int kStageKBytes = kTileTokens * kKRowBytes;
-  static constexpr int kStageCodeBytes = kTileTokens * kCodeRowStride;
-  static constexpr int kStageScaleBytes = kTileTokens * kScaleRowStride;
+  static constexpr int kStageCodeBytes = kTileTokens * kCodeRowBytes;
+  static constexpr int kStageScaleBytes = kTileTokens * kScaleRowBytes;
   static constexpr int kStageBytes = kStageKBytes + kStageCodeBytes + kStageScaleBytes;
-  static_assert(kCodeRowBytes % 16 == 0 && kScaleRowBytes % 4 == 0, "row slices stay copy-aligned");
-  // Widest V code copy that the format's offsets allow (the runtime pool layout may allow less:
-  // DecodeArgs::v_code_copy_bytes). The slice starts at a multiple of kCodeRowBytes.
-  static constexpr int kMaxCodeCopy = 16;
+  static_assert(kStageKBytes % 16 == 0 && kStageCodeBytes % 16 == 0, "stage sections stay 16-byte aligned");
+  // Widest copy of a V code row slice that the format's offsets allow (the runtime pool layout
+  // may allow less: DecodeArgs::v_code_copy_bytes).
+  static constexpr int kMaxCodeCopy = (HEAD_DIM * BITS / 8) % 16 == 0 ? 16 : (HEAD_DIM * BITS / 8) % 8 == 0 ? 8 : 4;
 };
 
-// Tiles in flight: kDecodeStages - 1 are being copied while one is computed.
-constexpr int kDecodeStages = 3;
+// Tiles in flight per warp: kDecodeStages - 1 are being copied while one is computed.
+constexpr int kDecodeStages = 4;
 
-// Dynamic shared memory of one CTA (bytes): each warp's fp16 query chunk (its d-slice of up to 8
-// heads), the CTA's stage ring, then each warp's page-id ring.
+// Dynamic shared memory of one CTA (bytes): the fp16 query chunk, then the warps' stage rings
+// (reused for the per-stream outputs once the loop is done), then the warps' page-id rings.
 template <int BITS, int HEAD_DIM>
 struct DecodeSmem {
   using S = DecodeShape<BITS, HEAD_DIM>;
-  static constexpr int kQRowElems = S::kSliceDim + 4;  // +4 halves: no bank conflicts
-  static constexpr int kQWarpBytes = kHeadsPerCta * kQRowElems * 2;
-  static constexpr int kQBytes = kDecodeWarps * kQWarpBytes;
+  static constexpr int kQRowElems = HEAD_DIM + 4;  // +4 halves: no bank conflicts
+  static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
+  static constexpr int kRingBytes = kDecodeWarps * kDecodeStages * S::kStageBytes;
+  static constexpr int kOutBytes = S::kStreams * kHeadsPerCta * HEAD_DIM * 4;
   static constexpr int kRingOffset = kQBytes;
-  static constexpr int kRingBytes = kDecodeStages * S::kStageBytes;
-  static constexpr int kPagesOffset = kRingOffset + kRingBytes;
+  static constexpr int kPagesOffset = kRingOffset + (kRingBytes > kOutBytes ? kRingBytes : kOutBytes);
   static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
   static constexpr int kBytes = kPagesOffset + kPagesBytes;
-  static_assert(kQBytes % 16 == 0 && S::kStageBytes % 16 == 0, "the ring's sections stay 16-byte aligned");
+  static_assert(kQBytes % 16 == 0, "the ring starts 16-byte aligned");
 };
 
-// CODE_COPY: bytes per V code copy, 16 where the pool layout allows it
+// CODE_COPY: bytes per V code copy, DecodeShape::kMaxCodeCopy where the pool layout allows it
 // (DecodeArgs::v_code_copy_bytes), else 4.
 template <int BITS, int HEAD_DIM, int CODE_COPY>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
@@ -268,33 +244,33 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   using S = DecodeShape<BITS, HEAD_DIM>;
   using L = DecodeSmem<BITS, HEAD_DIM>;
   extern __shared__ __align__(16) uint8_t smem[];
+  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem);
   uint8_t* const ring = smem + L::kRingOffset;
+  auto o_s = reinterpret_cast<float(*)[kHeadsPerCta][HEAD_DIM]>(smem + L::kRingOffset);  // after the loop
   int32_t* const page_ring = reinterpret_cast<int32_t*>(smem + L::kPagesOffset);
+  __shared__ float max_s[S::kStreams][kHeadsPerCta];
+  __shared__ float denom_s[S::kStreams][kHeadsPerCta];
   __shared__ __align__(16) float4 score_s[2][kDecodeWarps][S::kSlices > 1 ? 32 : 1];
   // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]).
   __shared__ __align__(16) uint32_t level_pair_s[1 << (2 * BITS)];
+  __shared__ float q_absmax_s[kDecodeWarps];
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int g = lane / 4;  // mma groupID
   const int t = lane % 4;  // mma threadID_in_group
-  const int head_in_cta = warp / S::kSlices;
+  const int stream = warp / S::kSlices;
   const int slice = warp % S::kSlices;
   const int slice_d0 = slice * S::kSliceDim;
-  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem + warp * L::kQWarpBytes);  // this warp's
 
-  // CTA order: the chunks and KV-head groups of one (sequence, split) are neighbours.
-  const uint32_t num_groups = (a.num_kv_heads + S::kKvHeads - 1) / S::kKvHeads;
+  // CTA order: the chunks and KV heads of one (sequence, split) are neighbours, so the CTAs that
+  // read the same token rows of the pools run side by side and share their DRAM pages and sectors.
   const uint32_t chunk = blockIdx.x % plan.chunks_per_group;
-  const uint32_t kv_group = blockIdx.x / plan.chunks_per_group % num_groups;
-  const uint32_t seq_split = blockIdx.x / plan.chunks_per_group / num_groups;
+  const uint32_t kv_head = blockIdx.x / plan.chunks_per_group % a.num_kv_heads;
+  const uint32_t seq_split = blockIdx.x / plan.chunks_per_group / a.num_kv_heads;
   const uint32_t seq = seq_split / plan.num_splits;
   const uint32_t split = seq_split % plan.num_splits;
-  const uint32_t first_kv_head = kv_group * S::kKvHeads;
-  const int cta_kv_heads = int(min(uint32_t(S::kKvHeads), a.num_kv_heads - first_kv_head));
-  const uint32_t kv_head = first_kv_head + head_in_cta;
-  const bool active = head_in_cta < cta_kv_heads;  // warp-uniform: the last group may be partial
   const uint32_t group_size = a.num_q_heads / a.num_kv_heads;
   const uint32_t first_head = kv_head * group_size + chunk * kHeadsPerCta;
   const int num_heads = min(kHeadsPerCta, int(group_size - chunk * kHeadsPerCta));
@@ -314,35 +290,36 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int range_end = int(split_end < seq_len ? split_end : seq_len);
   const bool tile_in_one_page = a.block_size % kTileTokens == 0;
 
-  for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
-    level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
-
   // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
   // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
-  // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3). The warps of one
-  // KV head agree on the factor: each takes the maximum over the whole head_dim.
-  float q_gain = 1.0f;
-  if (active) {
-    const uint16_t* q = a.q + uint64_t(seq) * a.q_stride + uint64_t(first_head) * HEAD_DIM;
-    float q_absmax = 0.0f;
-    for (int i = lane; i < num_heads * HEAD_DIM; i += 32) {
-      const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(q[i])));
-      if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
-    int q_exp = 0;
-    if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
-    q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
-    q_gain = ldexpf(1.0f, 15 - q_exp);
-    for (int i = lane; i < kHeadsPerCta * S::kSliceDim; i += 32) {
-      const int h = i / S::kSliceDim;
-      const int d = i % S::kSliceDim;
-      const float v = h < num_heads ? __bfloat162float(__ushort_as_bfloat16(q[h * HEAD_DIM + slice_d0 + d])) : 0.0f;
-      q_s[h][d] = __float2half_rn(v * q_gain);
-    }
+  // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
+  float q_absmax = 0.0f;
+  for (int i = tid; i < num_heads * HEAD_DIM; i += kDecodeThreads) {
+    const uint16_t bits =
+        a.q[uint64_t(seq) * a.q_stride + uint64_t(first_head) * HEAD_DIM + i];
+    const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(bits)));
+    if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
   }
-  __syncthreads();  // the level table (and each warp's own query chunk)
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
+  if (lane == 0) q_absmax_s[warp] = q_absmax;
+  for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
+    level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
+  __syncthreads();
+  q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
+  int q_exp = 0;
+  if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
+  q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
+  const float q_gain = ldexpf(1.0f, 15 - q_exp);
+  for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
+    const int h = i / HEAD_DIM;
+    float v = 0.0f;
+    if (h < num_heads)
+      v = __bfloat162float(__ushort_as_bfloat16(
+          a.q[uint64_t(seq) * a.q_stride + uint64_t(first_head) * HEAD_DIM + i]));
+    q_s[h][i % HEAD_DIM] = __float2half_rn(v * q_gain);
+  }
+  __syncthreads();
   // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e).
   const float score_to_log2 = a.score_scale * kLog2e / q_gain;
 
@@ -350,34 +327,34 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const uint32_t row_code_bytes = row_elems / 8 * BITS;
   const uint32_t row_scale_bytes = row_elems / kGroupElems;
   const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
-  // The CTA's slice of a token row in each pool (bytes), and how much of it exists (a partial
-  // last group of KV heads copies less and never reads past its row).
-  const uint64_t k_slice = uint64_t(first_kv_head) * HEAD_DIM;  // < 2^32
+  // This warp's slice of a token row in each pool (bytes).
+  const uint64_t k_slice = uint64_t(kv_head) * HEAD_DIM + slice_d0;  // < 2^32
   const uint64_t code_slice = k_slice * BITS / 8;
   const uint64_t scale_slice = a.v_data_section_bytes + k_slice / kGroupElems;
-  const int k_slice_bytes = cta_kv_heads * HEAD_DIM;
-  const int code_slice_bytes = k_slice_bytes * BITS / 8;
-  const int scale_slice_bytes = k_slice_bytes / kGroupElems;
-  // This warp's columns within the CTA's row slices.
-  const int warp_k_col = head_in_cta * HEAD_DIM + slice_d0;
-  const int warp_code_col = warp_k_col * BITS / 8;
-  const int warp_scale_col = warp_k_col / kGroupElems;
+  const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
 
   auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
 
-  // ---- The copy pipeline: the CTA streams the tiles of its split through a ring of stages -----
-  const int first_tile = int(split_begin);
-  const int num_tiles = range_end > first_tile ? (range_end - first_tile + kTileTokens - 1) / kTileTokens : 0;
+  // ---- The copy pipeline: each warp streams its tiles through its own ring of stages ----------
+  const int first_tile = int(split_begin) + stream * kTileTokens;
+  const int tile_step = S::kStreams * kTileTokens;
+  // With d-slices, every warp runs the same number of iterations (a stream's last one may be
+  // fully masked) so that the score exchange can use a CTA-wide barrier.
+  const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
+                                                               tile_step * tile_step
+                                      : range_end;
+  const int num_tiles = loop_end > first_tile ? (loop_end - first_tile + tile_step - 1) / tile_step : 0;
+  uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
   int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
 
-  // Page ids (every warp keeps its own copy). When a tile lies in one page (block_size % 16 ==
-  // 0), lane j holds the page id of tile 32·b + j (batch b) in a register, and the next batch is
-  // loaded 32 tiles before it is needed. Otherwise the page ids of tile k's rows travel through
-  // the copy pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the
-  // data. Rows and tiles outside the range get page id 0 and are never read.
+  // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
+  // tile 32·b + j of this warp's stream (batch b) in a register, and the next batch is loaded 32
+  // tiles before it is needed. Otherwise the page ids of tile k's rows travel through the copy
+  // pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the data. Rows
+  // and tiles outside the range get page id 0 and are never read.
   auto load_page_batch = [&](int batch) -> int32_t {
     const int k = batch * 32 + lane;
-    const int tile = first_tile + k * kTileTokens;
+    const int tile = first_tile + k * tile_step;
     if (k >= num_tiles || tile >= range_end || tile + kTileTokens <= range_begin) return 0;
     uint32_t block, offset;
     split_position(a, uint32_t(tile), block, offset);
@@ -390,27 +367,24 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   }
   auto copy_page_ids = [&](int k) {
     if (tile_in_one_page || lane >= kTileTokens) return;
-    const int tile = first_tile + k * kTileTokens;
+    const int tile = first_tile + k * tile_step;
     const bool valid = in_range(tile + lane);
     uint32_t block, offset;
     split_position(a, uint32_t(tile + lane), block, offset);
-    copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid ? 4 : 0);
+    copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
   };
-  // K rows are stored with the 16-byte chunks' bit 2 flipped on odd rows, so that the fragment
-  // reads below (rows g and g + 1 side by side) hit all 32 banks.
-  auto k_swizzle = [](int row, int chunk) { return chunk ^ ((row & 1) << 2); };
-  // K bytes, V codes and V scales of tile k into stage k % kDecodeStages, by all threads.
-  // ONE_PAGE (block_size % 16 == 0) and WHOLE (every row of the tile attended, which implies
-  // ONE_PAGE) are template arguments so that each case is its own straight code path: the common
-  // one computes each pool's tile base once and each row's address with one IMAD, with no
-  // per-row masking. Tiles are copied in increasing k, which the page-id batches rely on.
-  auto copy_tile = [&](int k, auto one_page, auto whole) {
+  // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
+  // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
+  // the fragment reads below hit all 32 banks.
+  auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
+  // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
+  // code path: the common one computes each pool's tile base once and each row with one IMAD.
+  // Tiles are copied in increasing k, which the page-id batches rely on.
+  auto copy_tile = [&](int k, auto one_page) {
     constexpr bool kOnePage = decltype(one_page)::value;
-    constexpr bool kWhole = decltype(whole)::value;
-    static_assert(kOnePage || !kWhole, "a whole tile is only copied without masks when it lies in one page");
-    const int tile = first_tile + k * kTileTokens;
+    const int tile = first_tile + k * tile_step;
     const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
-    uint8_t* stage = ring + (k % kDecodeStages) * S::kStageBytes;
+    uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
     uint32_t block, offset0;
     split_position(a, uint32_t(tile), block, offset0);
     uint64_t page0 = 0;
@@ -434,62 +408,49 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     };
     const int valid_begin = range_begin - tile;  // valid rows: [valid_begin, valid_end)
     const int valid_end = range_end - tile;
-    auto valid_row = [&](int row) { return kWhole || (row >= valid_begin && row < valid_end); };
-    // Bytes of a copy of BYTES at byte `col` of a row slice of which `exist` bytes exist: the
-    // rest of the copy is zero-filled (src-size), so no read leaves the slice.
-    auto copy_size = [](int col, int exist, int bytes) { return min(max(exist - col, 0), bytes); };
-    // Copy j of a thread is copy id tid + kDecodeThreads·j of the tile.
+    auto valid_row = [&](int row) { return row >= valid_begin && row < valid_end; };
     constexpr int kKRowChunks = S::kKRowBytes / 16;
-    constexpr int kKRowsPerPass = kDecodeThreads / kKRowChunks;  // even: a thread's rows share their swizzle
-    static_assert(kKRowsPerPass % 2 == 0 && kTileTokens % kKRowsPerPass == 0, "K copies tile the stage");
-    {
-      const int row0 = tid / kKRowChunks;
-      const int chunk = tid % kKRowChunks;
-      const int bytes = copy_size(16 * chunk, k_slice_bytes, 16);
-      const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * chunk);
-      uint8_t* const dst = stage + row0 * S::kKRowBytes + 16 * k_swizzle(row0, chunk);
+    const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
 #pragma unroll
-      for (int j = 0; j < kTileTokens / kKRowsPerPass; ++j) {
-        const int row = row0 + kKRowsPerPass * j;
-        const bool valid = valid_row(row) && bytes > 0;
-        copy_async<16>(dst + kKRowsPerPass * j * S::kKRowBytes, valid ? k_rows(row) : a.k_cache, valid ? bytes : 0);
-      }
+    for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
+      const int id = lane + 32 * j;
+      const int row = id / kKRowChunks;
+      const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
+      const bool valid = valid_row(row);
+      const uint8_t* src = k_rows(row);
+      copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
     }
     constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
     const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
 #pragma unroll
-    for (int j = 0; j < (kTileTokens * kCodeRowCopies + kDecodeThreads - 1) / kDecodeThreads; ++j) {
-      const int id = tid + kDecodeThreads * j;
+    for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
+      const int id = lane + 32 * j;
       if (id < kTileTokens * kCodeRowCopies) {
         const int row = id / kCodeRowCopies;
-        const int col = CODE_COPY * (id % kCodeRowCopies);
-        const int bytes = copy_size(col, code_slice_bytes, CODE_COPY);
-        const bool valid = valid_row(row) && bytes > 0;
-        copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowStride + col,
-                              valid ? code_rows(row) + col : a.v_cache, valid ? bytes : 0);
+        const int part = id % kCodeRowCopies;
+        const bool valid = valid_row(row);
+        const uint8_t* src = code_rows(row) + CODE_COPY * part;
+        copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
+                              valid ? src : a.v_cache, valid);
       }
     }
-    // Scales: 4-byte copies (the V pool is only 4-byte aligned for the decode).
+    // Scales: 4 or 8 bytes per row, in 4-byte copies.
     constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
-    static_assert(kTileTokens * kScaleRowCopies <= kDecodeThreads, "one scale copy per thread at most");
-    if (tid < kTileTokens * kScaleRowCopies) {
-      const int row = tid / kScaleRowCopies;
-      const int col = 4 * (tid % kScaleRowCopies);
-      const bool valid = valid_row(row) && col < scale_slice_bytes;
-      const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + col;
-      copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowStride + col,
-                    valid ? src : a.v_cache, valid ? 4 : 0);
+    if (lane < kTileTokens * kScaleRowCopies) {
+      const int row = lane / kScaleRowCopies;
+      const int part = lane % kScaleRowCopies;
+      const bool valid = valid_row(row);
+      const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
+      copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
+                    valid ? src : a.v_cache, valid);
     }
   };
 
   auto copy_tile_any = [&](int k) {
-    const int tile = first_tile + k * kTileTokens;
-    if (!tile_in_one_page)
-      copy_tile(k, std::false_type{}, std::false_type{});
-    else if (tile >= range_begin && tile + kTileTokens <= range_end)
-      copy_tile(k, std::true_type{}, std::true_type{});
+    if (tile_in_one_page)
+      copy_tile(k, std::true_type{});
     else
-      copy_tile(k, std::true_type{}, std::false_type{});
+      copy_tile(k, std::false_type{});
   };
 
   // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
@@ -504,9 +465,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
   copy_async_commit();
   copy_async_wait<0>();
-  __syncthreads();
+  __syncwarp();
   for (int k = 0; k < kDecodeStages - 1; ++k) {
-    __syncwarp();  // every lane of this warp has read page slot k - 1 before it is refilled
+    __syncwarp();  // every lane has read page slot k - 1 before it is refilled
     if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1);
     if (k < num_tiles) copy_tile_any(k);
     copy_async_commit();
@@ -516,56 +477,50 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
   int parity = 0;
   for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
-    // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed for every thread, and
-    // every warp is done with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1
-    // refills.
+    // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
+    // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
     copy_async_wait<kDecodeStages - 2>();
-    __syncthreads();
+    __syncwarp();
     if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
     if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
     copy_async_commit();
 
-    const int tile = first_tile + k * kTileTokens;
-    const uint8_t* stage = ring + (k % kDecodeStages) * S::kStageBytes;
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) {
-      // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
-      uint4 k_bytes[2][S::kKChunks];
+    const int tile = first_tile + k * tile_step;
+    const uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
+    // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
+    uint4 k_bytes[2][S::kKChunks];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = k_row_token[half];
+    for (int half = 0; half < 2; ++half) {
+      const int row = k_row_token[half];
 #pragma unroll
-        for (int c = 0; c < S::kKChunks; ++c)
-          k_bytes[half][c] = *reinterpret_cast<const uint4*>(
-              stage + row * S::kKRowBytes + 16 * k_swizzle(row, warp_k_col / 16 + t + 4 * c));
-      }
-      // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
-      float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-      for (int j = 0; j < S::kKSteps; ++j) {
-        const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
-        const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
-        uint32_t a_frag[4];  // (token g, k 0-1), (g + 8, k 0-1), (g, k 2-3), (g + 8, k 2-3) in mma order
-        e4m3x4_to_half2x2_bits(k_lo, a_frag[0], a_frag[2]);
-        e4m3x4_to_half2x2_bits(k_hi, a_frag[1], a_frag[3]);
-        const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][64 * (j / 4) + 16 * t + 4 * (j % 4)]);
-        mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
+      for (int c = 0; c < S::kKChunks; ++c)
+        k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, t + 4 * c));
     }
+    // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
+    float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int j = 0; j < S::kKSteps; ++j) {
+      const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
+      const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
+      const uint32_t a_frag[4] = {e4m3x2_to_half2_bits(k_lo & 0xFFFF), e4m3x2_to_half2_bits(k_hi & 0xFFFF),
+                                  e4m3x2_to_half2_bits(k_lo >> 16), e4m3x2_to_half2_bits(k_hi >> 16)};
+      const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
+      mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
+    }
+    float s[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
     if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
-      if (active) score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
-      __syncthreads();  // reached by every warp: a CTA-uniform barrier
+      score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
+      __syncthreads();
       float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
       for (int w = 0; w < S::kSlices; ++w) {
-        const float4 p = score_s[parity][head_in_cta * S::kSlices + w][lane];
+        const float4 p = score_s[parity][stream * S::kSlices + w][lane];
         total.x += p.x; total.y += p.y; total.z += p.z; total.w += p.w;
       }
       s[0] = total.x; s[1] = total.y; s[2] = total.z; s[3] = total.w;
     }
-    if (!active) continue;
 
     // Online softmax per head column; masked tokens get weight 0. A NaN score is not a maximum
     // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
@@ -581,11 +536,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
       const float new_max = fmaxf(run_max[c], tile_max);
-      alpha[c] = new_max == -INFINITY ? 1.0f : exp2_ftz(run_max[c] - new_max);
-      p[c] = s0 == -INFINITY ? 0.0f : exp2_ftz(s0 - new_max);
-      p[2 + c] = s1 == -INFINITY ? 0.0f : exp2_ftz(s1 - new_max);
+      alpha[c] = new_max == -INFINITY ? 1.0f : exp2f(run_max[c] - new_max);
+      p[c] = s0 == -INFINITY ? 0.0f : exp2f(s0 - new_max);
+      p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
       run_max[c] = new_max;
-      // FORMAT §5 sparse V at tile granularity: only heads of this warp's chunk vote.
+      // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
       if (2 * t + c < num_heads) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
     }
     const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
@@ -616,9 +571,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int row = v_row_token[j];
-        read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowStride,
-                                       warp_code_col + g * S::kCodeBytes, codes[j]);
-        scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowStride + warp_scale_col +
+        read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
+        scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
                                g * S::kThreadDims / kGroupElems];
       }
       const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
@@ -651,40 +605,57 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       }
     }
   }
-  // The copies still in flight are of tiles past the end; none may land after the CTA exits.
+  // The copies still in flight are of tiles past the end: drain them before the ring is reused.
   copy_async_wait<0>();
-  if (!active) return;
+  __syncthreads();
 
-  // Reduce the denominators over the 8 lanes sharing t, then write this warp's d-slice of its
-  // heads: the output, or this split's partial (O, max, denominator).
+  // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
   }
-  const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
+  if (slice == 0 && g == 0) {
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int h = 2 * t + c;
-    if (h >= num_heads) continue;
+    for (int c = 0; c < 2; ++c) {
+      max_s[stream][2 * t + c] = run_max[c];
+      denom_s[stream][2 * t + c] = run_denom[c];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < S::kMTiles; ++i) {
+    const int d = thread_d0 + 2 * i;
+    o_s[stream][2 * t][d] = acc[i][0];
+    o_s[stream][2 * t + 1][d] = acc[i][1];
+    o_s[stream][2 * t][d + 1] = acc[i][2];
+    o_s[stream][2 * t + 1][d + 1] = acc[i][3];
+  }
+  __syncthreads();
+
+  // Merge the streams (fixed order) and write the output or this split's partial.
+  for (int i = tid; i < num_heads * HEAD_DIM; i += kDecodeThreads) {
+    const int h = i / HEAD_DIM;
+    const int d = i % HEAD_DIM;
+    float m = -INFINITY;
+#pragma unroll
+    for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
+    float o = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int st = 0; st < S::kStreams; ++st) {
+      // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+      const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+      o += w * o_s[st][h][d];
+      l += w * denom_s[st][h];
+    }
     const uint64_t row = uint64_t(seq) * a.num_q_heads + first_head + h;
     if (plan.num_splits == 1) {
-      uint16_t* out = a.output + row * HEAD_DIM + thread_d0;
-#pragma unroll
-      for (int i = 0; i < S::kMTiles; ++i) {
-        out[2 * i] = __bfloat16_as_ushort(__float2bfloat16(normalize(acc[i][c], run_denom[c])));
-        out[2 * i + 1] = __bfloat16_as_ushort(__float2bfloat16(normalize(acc[i][2 + c], run_denom[c])));
-      }
+      a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
     } else {
       float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
-#pragma unroll
-      for (int i = 0; i < S::kMTiles; ++i) {
-        part[thread_d0 + 2 * i] = acc[i][c];
-        part[thread_d0 + 2 * i + 1] = acc[i][2 + c];
-      }
-      if (slice == 0 && g == 0) {
-        part[HEAD_DIM] = run_max[c];
-        part[HEAD_DIM + 1] = run_denom[c];
+      part[d] = o;
+      if (d == 0) {
+        part[HEAD_DIM] = m;
+        part[HEAD_DIM + 1] = l;
       }
     }
   }
@@ -706,44 +677,31 @@ __device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
 }
 
 // Combines the splits' partials of one (sequence, query head): the splits' weights are computed
-// once, in parallel; then kParts threads per output element each sum every kParts-th split (so
-// that few loads are in a row per thread), and their sums are added in a fixed order.
-constexpr int kMergeThreads = 1024;
+// once, in parallel, then every thread sums its element over the splits with several loads in
+// flight.
 template <int HEAD_DIM>
-__global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
-  constexpr int kParts = kMergeThreads / HEAD_DIM;
+__global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];
-  __shared__ float scratch[kMergeThreads / 32];
-  __shared__ float o_s[kParts][HEAD_DIM];
+  __shared__ float scratch[HEAD_DIM / 32];
   const uint64_t row = blockIdx.x;  // sequence * num_q_heads + head
   const int tid = threadIdx.x;
   const int num_splits = int(plan.num_splits);
   const float* parts = plan.workspace + row * num_splits * (HEAD_DIM + 2);
   float m = -INFINITY;
-  for (int s = tid; s < num_splits; s += kMergeThreads) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
-  m = block_reduce<kMergeThreads>(m, [](float x, float y) { return fmaxf(x, y); }, scratch);
+  for (int s = tid; s < num_splits; s += HEAD_DIM) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
+  m = block_reduce<HEAD_DIM>(m, [](float x, float y) { return fmaxf(x, y); }, scratch);
   float l = 0.0f;
-  for (int s = tid; s < num_splits; s += kMergeThreads) {
+  for (int s = tid; s < num_splits; s += HEAD_DIM) {
     const float* part = parts + s * (HEAD_DIM + 2);
-    // With m = -inf no split has a finite score: its sums are 0 (no positions) or NaN.
-    const float w = m == -INFINITY ? 1.0f : exp2f(part[HEAD_DIM] - m);
+    const float w = m == -INFINITY ? 1.0f : exp2f(part[HEAD_DIM] - m);  // as in the stream merge
     weight_s[s] = w;
     l += w * part[HEAD_DIM + 1];
   }
-  l = block_reduce<kMergeThreads>(l, [](float x, float y) { return x + y; }, scratch);  // also publishes weight_s
-  const int d = tid % HEAD_DIM;
-  const int first = tid / HEAD_DIM;
+  l = block_reduce<HEAD_DIM>(l, [](float x, float y) { return x + y; }, scratch);  // also publishes weight_s
   float o = 0.0f;
-#pragma unroll 4
-  for (int s = first; s < num_splits; s += kParts) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + d];
-  o_s[first][d] = o;
-  __syncthreads();
-  if (first == 0) {
-    o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kParts; ++i) o += o_s[i][d];
-    a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
-  }
+#pragma unroll 8
+  for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
+  a.output[row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
 }
 
 template <int BITS, int HEAD_DIM>
@@ -757,16 +715,14 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   // not a stream operation, so launches stay capturable.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  const uint32_t kv_groups = (args.num_kv_heads + DecodeShape<BITS, HEAD_DIM>::kKvHeads - 1) /
-                             DecodeShape<BITS, HEAD_DIM>::kKvHeads;
-  const dim3 grid(args.num_seqs * plan.num_splits * kv_groups * plan.chunks_per_group);  // < 2^31
+  const dim3 grid(args.num_seqs * plan.num_splits * args.num_kv_heads * plan.chunks_per_group);  // < 2^31
   DecodeArgs kernel_args = args;
   DecodePlan kernel_plan = plan;
   void* params[] = {&kernel_args, &kernel_plan};
   err = cudaLaunchKernel(kernel, grid, dim3(kDecodeThreads), params, kSmemBytes, stream);
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   return cudaLaunchKernel(reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM>),
-                          dim3(args.num_seqs * args.num_q_heads), dim3(kMergeThreads), params, 0, stream);
+                          dim3(args.num_seqs * args.num_q_heads), dim3(HEAD_DIM), params, 0, stream);
 }
 
 template <int BITS, int HEAD_DIM>
