@@ -6,7 +6,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 
-def _check(result):
+def check_driver_result(result):
     """Unwrap a cuda.bindings call result ``(CUresult, *values)``, raising on error."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
@@ -19,20 +19,20 @@ class Device:
     """The primary context of GPU 0, current on the calling thread, and one stream."""
 
     def __init__(self) -> None:
-        _check(cu.cuInit(0))
-        self.device = _check(cu.cuDeviceGet(0))
-        self.context = _check(cu.cuDevicePrimaryCtxRetain(self.device))
-        _check(cu.cuCtxSetCurrent(self.context))
-        self.stream = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        check_driver_result(cu.cuInit(0))
+        self.device = check_driver_result(cu.cuDeviceGet(0))
+        self.context = check_driver_result(cu.cuDevicePrimaryCtxRetain(self.device))
+        check_driver_result(cu.cuCtxSetCurrent(self.context))
+        self.stream = check_driver_result(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self._buffers: list[cu.CUdeviceptr] = []
 
     def upload(self, host: np.ndarray) -> int:
         """Copy ``host`` into a new device buffer; returns its address."""
         host = np.ascontiguousarray(host)
-        ptr = _check(cu.cuMemAlloc(max(host.nbytes, 1)))
+        ptr = check_driver_result(cu.cuMemAlloc(max(host.nbytes, 1)))
         self._buffers.append(ptr)
         if host.nbytes:
-            _check(cu.cuMemcpyHtoD(ptr, host.ctypes.data, host.nbytes))
+            check_driver_result(cu.cuMemcpyHtoD(ptr, host.ctypes.data, host.nbytes))
         return int(ptr)
 
     def download(self, address: int, like: np.ndarray) -> np.ndarray:
@@ -40,14 +40,14 @@ class Device:
         self.synchronize()
         out = np.empty_like(np.ascontiguousarray(like))
         if out.nbytes:
-            _check(cu.cuMemcpyDtoH(out.ctypes.data, address, out.nbytes))
+            check_driver_result(cu.cuMemcpyDtoH(out.ctypes.data, address, out.nbytes))
         return out
 
     def synchronize(self) -> None:
-        _check(cu.cuStreamSynchronize(self.stream))
+        check_driver_result(cu.cuStreamSynchronize(self.stream))
 
     def free_all(self) -> None:
         self.synchronize()
         for ptr in self._buffers:
-            _check(cu.cuMemFree(ptr))
+            check_driver_result(cu.cuMemFree(ptr))
         self._buffers.clear()

@@ -27,6 +27,7 @@ from fp8kturbov._lib import lib
 
 try:
     from cuda.bindings import driver as cu
+    from gpu_util import check_driver_result as _check
 except ImportError:  # the gpu tests are skipped (conftest); the CPU test needs no driver
     cu = None
 
@@ -39,15 +40,6 @@ K_SCALE = 0.05
 #: (V bits, head dim) of the jobs, so that different kernels run side by side.
 SHAPES = [(2, 64), (3, 128), (4, 256), (3, 512), (4, 64), (2, 128), (3, 256), (2, 512)]
 BARRIER_TIMEOUT_S = 120
-
-
-def _check(result):
-    """Unwrap a cuda.bindings call result ``(CUresult, *values)``, raising on error."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise RuntimeError(f"CUDA driver call failed: {name.decode() if name else err}")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 # ---- Host threads and streams ---------------------------------------------------------------------

@@ -24,6 +24,7 @@ from fp8kturbov import reference as ref
 
 try:
     from cuda.bindings import driver as cu
+    from gpu_util import check_driver_result as _check
 except ImportError:  # the tests are skipped (conftest)
     cu = None
 
@@ -43,15 +44,6 @@ def device():
     dev = Device()
     yield dev
     dev.free_all()
-
-
-def _check(result):
-    """Unwrap a cuda.bindings call result ``(CUresult, *values)``, raising on error."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise RuntimeError(f"CUDA driver call failed: {name.decode() if name else err}")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 @contextlib.contextmanager
