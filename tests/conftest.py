@@ -27,6 +27,20 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
+def shuffled_block_tables(rng: np.random.Generator, blocks_per_seq, num_blocks: int,
+                          max_blocks_per_seq: int, unused: int = -7) -> np.ndarray:
+    """Block tables [sequence][max_blocks_per_seq] (int32) in which sequence s holds
+    ``blocks_per_seq[s]`` distinct pages, taken in order from a random permutation of
+    ``num_blocks`` pages; the entries past a sequence's pages hold ``unused``."""
+    pages = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.full((len(blocks_per_seq), max_blocks_per_seq), unused, dtype=np.int32)
+    used = 0
+    for s, count in enumerate(blocks_per_seq):
+        tables[s, :count] = pages[used:used + count]
+        used += count
+    return tables
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = gpu_unavailable_reason()
     if reason is None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
+from conftest import shuffled_block_tables
 from fp8kturbov import CacheLayout, DeviceBuffer, KVCache, ops
 from fp8kturbov import reference as ref
 
@@ -215,10 +216,7 @@ def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int)
     num_seqs, num_q_heads = len(seq_lens), 4 * heads
     blocks_needed = -(-seq_lens // block)
     max_blocks = int(blocks_needed.max()) + 1
-    pages = rng.permutation(layout.num_blocks).astype(np.int32)
-    tables = np.full((num_seqs, max_blocks), -7, dtype=np.int32)
-    for s, (start, count) in enumerate(zip(np.cumsum(blocks_needed) - blocks_needed, blocks_needed)):
-        tables[s, :count] = pages[start:start + count]
+    tables = shuffled_block_tables(rng, blocks_needed, layout.num_blocks, max_blocks)
     q_stride = num_q_heads * dim + 8
     q_host = bf16_rows(rng, num_seqs, num_q_heads * dim, q_stride)
     q_rows, tables_dev, lens_dev = (lib.to_device(a) for a in (q_host, tables, seq_lens))

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
+from conftest import shuffled_block_tables
 from fp8kturbov import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -228,12 +229,7 @@ class DecodeSetup:
         blocks = -(-all_lens // self.block_size)
         self.max_blocks_per_seq = int(blocks.max()) + 1
         self.num_blocks = int(blocks.sum()) + 2
-        pages = rng.permutation(self.num_blocks).astype(np.int32)
-        self.block_tables = np.full((len(all_lens), self.max_blocks_per_seq), -7, dtype=np.int32)
-        used = 0
-        for s, count in enumerate(blocks):
-            self.block_tables[s, :count] = pages[used:used + count]
-            used += count
+        self.block_tables = shuffled_block_tables(rng, blocks, self.num_blocks, self.max_blocks_per_seq)
         self.seq_lens = all_lens
 
         args = (self.block_size, self.num_kv_heads, head_dim)

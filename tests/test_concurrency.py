@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
+from conftest import shuffled_block_tables
 from fp8kturbov import reference as ref
 from fp8kturbov._lib import lib
 
@@ -171,12 +172,7 @@ class Job:
         blocks = -(-final // B)
         self.max_blocks_per_seq = int(blocks.max()) + 1
         self.num_blocks = int(blocks.sum()) + 2  # two pages no sequence uses
-        pages = rng.permutation(self.num_blocks).astype(np.int32)
-        self.block_tables = np.full((self.num_seqs, self.max_blocks_per_seq), -7, dtype=np.int32)
-        used = 0
-        for s, count in enumerate(blocks):
-            self.block_tables[s, :count] = pages[used:used + count]
-            used += count
+        self.block_tables = shuffled_block_tables(rng, blocks, self.num_blocks, self.max_blocks_per_seq)
 
         self.k_stride = ref.k_page_bytes(B, self.num_kv_heads, head_dim)
         self.v_data = ref.v_data_section_bytes(B, self.num_kv_heads, head_dim, bits)

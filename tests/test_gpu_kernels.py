@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
+from conftest import shuffled_block_tables
 from fp8kturbov import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -149,12 +150,7 @@ class DecodeCase:
         self.v_stride = ref.v_page_bytes(self.block_size, self.num_kv_heads, head_dim, bits) + v_pad
         self.k_scale, self.inv_sqrt_d = 0.05, float(1 / np.sqrt(head_dim))
 
-        pages = rng.permutation(self.num_blocks).astype(np.int32)
-        self.block_tables = np.full((self.num_seqs, self.max_blocks_per_seq), -7, dtype=np.int32)
-        used = 0
-        for s, blocks in enumerate(blocks_needed):
-            self.block_tables[s, :blocks] = pages[used:used + blocks]
-            used += blocks
+        self.block_tables = shuffled_block_tables(rng, blocks_needed, self.num_blocks, self.max_blocks_per_seq)
 
         num_slots = self.num_blocks * self.block_size
         self.k_pool = random_pool(rng, self.num_blocks * self.k_stride)

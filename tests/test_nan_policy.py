@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
+from conftest import shuffled_block_tables
 from fp8kturbov import reference as ref
 
 BF16 = ml_dtypes.bfloat16
@@ -110,12 +111,7 @@ class DecodeCase:
         self.v_data = ref.v_data_section_bytes(self.block_size, self.num_kv_heads, head_dim, bits)
         self.v_stride = ref.v_page_bytes(self.block_size, self.num_kv_heads, head_dim, bits)
         self.k_scale, self.inv_sqrt_d = 0.05, float(1 / np.sqrt(head_dim))
-        pages = rng.permutation(self.num_blocks).astype(np.int32)
-        self.block_tables = np.zeros((self.num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        used = 0
-        for s, count in enumerate(blocks):
-            self.block_tables[s, :count] = pages[used:used + count]
-            used += count
+        self.block_tables = shuffled_block_tables(rng, blocks, self.num_blocks, self.max_blocks_per_seq, unused=0)
         slots = self.num_blocks * self.block_size
         self.k_pool = np.zeros(self.num_blocks * self.k_stride, dtype=np.uint8)
         self.v_pool = np.zeros(self.num_blocks * self.v_stride, dtype=np.uint8)

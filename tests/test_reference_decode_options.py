@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import shuffled_block_tables
 from fp8kturbov import reference as ref
 
 BF16 = ml_dtypes.bfloat16
@@ -26,12 +27,7 @@ class Cache:
         blocks = -(-self.seq_lens // block_size)
         self.max_blocks = int(blocks.max())
         num_blocks = int(blocks.sum())
-        pages = rng.permutation(num_blocks).astype(np.int32)
-        self.tables = np.zeros((self.num_seqs, self.max_blocks), dtype=np.int32)
-        used = 0
-        for s, count in enumerate(blocks):
-            self.tables[s, :count] = pages[used:used + count]
-            used += count
+        self.tables = shuffled_block_tables(rng, blocks, num_blocks, self.max_blocks, unused=0)
         self.v_data = ref.v_data_section_bytes(block_size, self.num_kv_heads, head_dim, bits)
         self.v_stride = ref.v_page_bytes(block_size, self.num_kv_heads, head_dim, bits)
         self.k_pool = np.zeros(num_blocks * block_size * n, dtype=np.uint8)
