@@ -27,12 +27,16 @@ class Device:
         self._buffers: list[cu.CUdeviceptr] = []
 
     def upload(self, host: np.ndarray) -> int:
-        """Copy ``host`` into a new device buffer; returns its address."""
+        """Copy ``host`` into a new device buffer; returns its address once the copy has landed.
+        (A plain cuMemcpyHtoD from pageable memory may return before its DMA lands, and launches
+        on a non-blocking stream do not wait for it: the copy runs on ``stream``, then the host
+        waits for that stream.)"""
         host = np.ascontiguousarray(host)
         ptr = check_driver_result(cu.cuMemAlloc(max(host.nbytes, 1)))
         self._buffers.append(ptr)
         if host.nbytes:
-            check_driver_result(cu.cuMemcpyHtoD(ptr, host.ctypes.data, host.nbytes))
+            check_driver_result(cu.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, self.stream))
+            self.synchronize()
         return int(ptr)
 
     def download(self, address: int, like: np.ndarray) -> np.ndarray:

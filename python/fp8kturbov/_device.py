@@ -69,7 +69,7 @@ class Device:
         self._graphs: list[Any] = []
         self._events: list[Any] = []
         self._gate = self.alloc(4)
-        driver_call(cu.cuMemsetD32, self._gate, 0, 1)
+        driver_call(cu.cuMemsetD32Async, self._gate, 0, 1, self.stream)  # on `stream`: see `write`
         self._gate_value = 0
         self._geq = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         # A wait on a value already reached: succeeds at once where stream memory operations
@@ -112,9 +112,12 @@ class Device:
         return ptr
 
     def write(self, address: int, host: np.ndarray) -> None:
-        """Copy ``host``'s bytes to ``address`` (synchronous)."""
+        """Copy ``host``'s bytes to ``address``; done when this returns. (A plain cuMemcpyHtoD
+        from pageable memory may return before its DMA lands, and a launch on the non-blocking
+        `stream` would not wait for it: the copy runs on `stream`, which is then waited for.)"""
         host = np.ascontiguousarray(host)
-        driver_call(cu.cuMemcpyHtoD, address, host.ctypes.data, host.nbytes)
+        driver_call(cu.cuMemcpyHtoDAsync, address, host.ctypes.data, host.nbytes, self.stream)
+        self.synchronize()
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         driver_call(cu.cuMemcpyDtoDAsync, dst, src, nbytes, self.stream)
