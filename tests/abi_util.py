@@ -1,14 +1,24 @@
-"""Helpers shared by the ABI tests (test_abi.py, test_fuzz.py): the eight entry points by name,
-and what may be launched where."""
+"""Helpers shared by the ABI tests (test_abi.py, test_fuzz.py, test_dequantize.py): the eight
+entry points by name, what may be launched where, and the version-1 params structs."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 import fp8kturbov
 from conftest import gpu_unavailable_reason
 from fp8kturbov import Status
 from fp8kturbov._lib import lib
+
+HEADER = Path(__file__).resolve().parents[1] / "cuda" / "include" / "fp8kturbov.h"
+PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not export it
 
 #: The exception class each failing status must raise in Python (the package's contract).
 EXCEPTIONS = {
@@ -53,3 +63,27 @@ def no_gpu() -> bool:
 
 def last_error() -> str:
     return lib.fp8kturbov_last_error_message().decode()
+
+
+def v1_struct_size(op: str) -> int:
+    """``FP8KTURBOV_<OP>_PARAMS_V1_SIZE`` of the header (op "write", "decode" or "dequantize"):
+    the params struct of library 0.1, before the checked-mode fields, still accepted."""
+    if not HEADER.exists():
+        pytest.skip(f"{HEADER} not found (tests run from a checkout)")
+    code = re.sub(r"/\*.*?\*/", " ", HEADER.read_text(), flags=re.S)
+    return int(re.search(rf"#define\s+FP8KTURBOV_{op.upper()}_PARAMS_V1_SIZE\s+(\d+)", code).group(1))
+
+
+def struct_before_an_unreadable_page(params: ctypes.Structure, nbytes: int) -> tuple[Any, mmap.mmap]:
+    """A copy of the first ``nbytes`` bytes of ``params`` ending at the last readable byte: the
+    page after it is PROT_NONE, so reading past ``nbytes`` faults. Returns a pointer to the copy
+    (of ``params``'s type) and the mapping holding it, to keep alive while the pointer is used."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    mapping = mmap.mmap(-1, 2 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    assert libc.mprotect(base + page, page, PROT_NONE) == 0, ctypes.get_errno()
+    address = base + page - nbytes
+    ctypes.memmove(address, ctypes.addressof(params), nbytes)
+    return ctypes.cast(address, ctypes.POINTER(type(params))), mapping

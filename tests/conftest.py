@@ -52,6 +52,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch):
+    """A :class:`fake_driver.FakeDriver` in place of cuda.bindings.driver for fp8kturbov.arrays
+    and everything that goes through its driver helpers (DeviceBuffer, KVCache, checked mode)."""
+    # Imported here: the other tests need neither the fake nor the library loaded by conftest.
+    from fake_driver import FakeDriver
+    from fp8kturbov import arrays
+
+    fake = FakeDriver()
+    monkeypatch.setattr(arrays, "_driver", lambda: fake)
+    return fake
+
+
+@pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator with a fresh seed per test, printed and recorded so a failure can be replayed."""
     seed = np.random.SeedSequence().entropy % 2**32

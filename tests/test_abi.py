@@ -28,7 +28,9 @@ from typing import Any, Callable
 import pytest
 
 import fp8kturbov
-from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu
+from abi_util import (EXCEPTIONS, EntryPoint, last_error, no_gpu, struct_before_an_unreadable_page,
+                      v1_struct_size)
+from conftest import gpu_unavailable_reason
 from fp8kturbov import Status, _lib
 from fp8kturbov._lib import lib
 
@@ -219,6 +221,17 @@ def test_struct_mirror_matches_c_layout(tag, c_struct_layout):
         assert (getattr(mirror, name).offset, getattr(mirror, name).size) == c_layout[name], name
 
 
+CHECKED_MODE_FIELDS = ["num_blocks", "error_flags"]
+
+
+@pytest.mark.parametrize("tag", STRUCTS)
+def test_v1_size_is_the_struct_before_the_checked_mode_fields(tag, c_struct_layout):
+    assert [name for _, name in header_struct(tag)][-2:] == CHECKED_MODE_FIELDS
+    v1_size = v1_struct_size(tag.removeprefix("fp8kturbov_").removesuffix("_params"))
+    assert v1_size == c_struct_layout[tag]["num_blocks"][0]
+    assert v1_size + 16 == c_struct_layout[tag]["sizeof"][1]  # a uint64 and a pointer
+
+
 def documented_defaults(tag: str) -> dict[str, float]:
     """The ``name = value`` pairs of the header's "Fills *params with the defaults (...)" comment."""
     text = HEADER.read_text()
@@ -235,6 +248,7 @@ def test_params_init_sets_size_and_documented_defaults(tag):
     defaults = documented_defaults(tag)
     assert "v_bits" in defaults
     assert params.struct_size == ctypes.sizeof(mirror)
+    assert {name for name, _ in mirror._fields_} >= set(CHECKED_MODE_FIELDS)  # zeroed too
     for name, ctype in mirror._fields_:
         if name == "struct_size":
             continue
@@ -323,9 +337,9 @@ def test_reference_sizes_match_c():
 
 
 # ---- The eight entry points ---------------------------------------------------------------------------
-# Required pointers (the optional decode workspace excluded).
+# Required pointers (the optional decode workspace and checked-mode error word excluded).
 POINTER_FIELDS = {op: [name for type_, name in header_struct(f"fp8kturbov_{op}_params")
-                       if type_.endswith("*") and name != "workspace"]
+                       if type_.endswith("*") and name not in ("workspace", "error_flags")]
                   for op in ("write", "decode")}
 FAKE_BASE = 0x7F00_0000_0000  # 16-aligned addresses that are only passed where nothing is launched
 
@@ -356,7 +370,7 @@ class Entry(EntryPoint):
             args.update(max_blocks_per_seq=4, num_seqs=work, num_q_heads=2 * num_kv_heads,
                         inv_sqrt_d=head_dim**-0.5, q_stride=2 * n, sliding_window=0)
         if self.bits is None:
-            args["v_bits"] = bits
+            args.update(v_bits=bits, num_blocks=0, error_flags=0)
             if self.op == "decode":
                 args.update(k_block_stride_bytes=sizes["k_page_bytes"], sparse_v_threshold=1e-3)
         return args
@@ -417,7 +431,7 @@ def show(name: str, value: Any) -> str:
     """``name = value`` as the C message prints it (%u / PRIu64, %g, %p)."""
     if isinstance(value, float):
         return f"{name} = {value:g}"
-    if name in POINTER_FIELDS["write"] + POINTER_FIELDS["decode"]:
+    if name in POINTER_FIELDS["write"] + POINTER_FIELDS["decode"] + ["error_flags"]:
         return f"{name} = {value:#x}"
     return f"{name} = {value}"
 
@@ -480,6 +494,11 @@ BAD = [
         text=lambda a: ("1/k_scale overflows",)),
     Bad("score_scale_overflows", _set(inv_sqrt_d=1e30, k_scale=1e30), ops=("decode",),
         text=lambda a: ("inv_sqrt_d * k_scale = ",)),
+    # A nonzero inv_sqrt_d whose product with k_scale is 0 in float would zero every score.
+    *[Bad(f"score_scale_underflows_{v}", _set(inv_sqrt_d=v, k_scale=1e-30), ops=("decode",),
+          text=lambda a: ("inv_sqrt_d", "k_scale", "underflows")) for v in (1e-30, -1e-30)],
+    Bad("score_scale_underflows_denormal_k_scale", _set(k_scale=1e-45), ops=("decode",),
+        text=lambda a: ("underflows",)),
     *[Bad(f"sparse_v_threshold_{v}", _set(sparse_v_threshold=v), named=("sparse_v_threshold",))
       for v in (-1e-3, math.nan, math.inf)],
     *[Bad(f"v_bits_{v}", _set(v_bits=v), named=("v_bits",)) for v in (0, 1, 5)],
@@ -547,7 +566,12 @@ GOOD = [
     *[Case(f"inv_sqrt_d_{v}", _set(inv_sqrt_d=v)) for v in (0.0, -0.5, 1e30)],
     Case("long_window", _set(sliding_window=U32_MAX)),
     Case("exact_sparse_v", _set(sparse_v_threshold=0.0)),
-    Case("k_scale_1e-45", _set(k_scale=1e-45), ops=("decode",)),
+    # Denormal scales: valid while inv_sqrt_d * k_scale is not 0 (or inv_sqrt_d is 0 already).
+    Case("k_scale_1e-45", _set(k_scale=1e-45, inv_sqrt_d=1.0), ops=("decode",)),
+    Case("k_scale_1e-45_inv_sqrt_d_0", _set(k_scale=1e-45, inv_sqrt_d=0.0), ops=("decode",)),
+    # Checked mode needs its error word only when there is work.
+    Case("checked_zero_work_null_error_flags", _set(num_blocks=8)),
+    Case("checked_zero_work_misaligned_error_flags", _set(num_blocks=8, error_flags=FAKE_BASE + 2)),
     Case("k_scale_3e38", _set(k_scale=3e38)),
 ]
 GOOD_CASES = [pytest.param(entry, case, id=f"{entry}-{case.id}")
@@ -620,12 +644,125 @@ def test_wrong_struct_size(op, delta):
     assert str(ctypes.sizeof(mirror)) in last_error()
 
 
+# ---- Checked mode (num_blocks, error_flags) and the version-1 struct size -----------------------------
+GENERIC_ENTRIES = [entry for entry in ENTRIES if entry.bits is None]
+generic_entries = pytest.mark.parametrize("entry", GENERIC_ENTRIES, ids=str)
+# Every required pointer set, with work: a missing check would launch on the fake pointers.
+only_without_gpu = pytest.mark.skipif(not no_gpu(), reason="a GPU may be usable: no fake pointers")
+WORD = FAKE_BASE + 0x100_0000  # a fake error word, 16-byte aligned
+
+
+def checked_args(entry: Entry, **checked_mode) -> dict[str, Any]:
+    """Work, every required pointer set, and ``checked_mode`` (num_blocks, error_flags)."""
+    return entry.valid_args(work=1) | fake_pointers(POINTER_FIELDS[entry.op]) | checked_mode
+
+
+@only_without_gpu
+@generic_entries
+def test_checked_mode_needs_the_error_word(entry):
+    expect_failure(entry, checked_args(entry, num_blocks=8, error_flags=0), Status.NULL_POINTER,
+                   ["error_flags is NULL"])
+    assert last_error() == f"{entry.c_name}: error_flags is NULL"
+
+
+@only_without_gpu
+@generic_entries
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_checked_mode_error_word_must_be_4_byte_aligned(entry, offset):
+    args = checked_args(entry, num_blocks=1, error_flags=WORD + offset)
+    expect_failure(entry, args, MISALIGNED, [show("error_flags", args["error_flags"]), "4-byte aligned"])
+
+
+@generic_entries
+def test_checked_mode_error_word_is_checked_after_the_other_pointers(entry):
+    """Nothing set but checked mode: the first required pointer is named, not error_flags."""
+    args = entry.valid_args(work=1) | {"num_blocks": 8}
+    expect_failure(entry, args, Status.NULL_POINTER, [f"{POINTER_FIELDS[entry.op][0]} is NULL"])
+
+
+@only_without_gpu
+@generic_entries
+@pytest.mark.parametrize("error_flags", [0, WORD + 2], ids=["null", "misaligned"])
+def test_unchecked_call_ignores_error_flags(entry, error_flags):
+    """num_blocks = 0: every check passes and the launch itself is refused (no GPU)."""
+    expect_failure(entry, checked_args(entry, num_blocks=0, error_flags=error_flags),
+                   Status.CUDA_ERROR, [])
+
+
+def params_struct(entry: Entry, args: dict[str, Any], struct_size: int) -> ctypes.Structure:
+    """The generic entry point's full struct with ``args``, claiming ``struct_size`` bytes."""
+    params = STRUCTS[f"fp8kturbov_{entry.op}_params"]()
+    getattr(lib, f"fp8kturbov_{entry.op}_params_init")(ctypes.byref(params))
+    for name, value in args.items():
+        setattr(params, name, value)
+    params.struct_size = struct_size
+    return params
+
+
+def call_with_struct_size(entry: Entry, args: dict[str, Any], struct_size: int) -> int:
+    return getattr(lib, entry.c_name)(ctypes.byref(params_struct(entry, args, struct_size)), None)
+
+
+@generic_entries
+def test_v1_struct_size_is_accepted(entry):
+    set_error_message()
+    args = entry.valid_args() | {"num_blocks": 8, "error_flags": WORD + 1}
+    assert call_with_struct_size(entry, args, v1_struct_size(entry.op)) == Status.SUCCESS, last_error()
+    assert last_error() == ""
+    # The version-1 fields are read as before.
+    args["head_dim"] = 100
+    assert call_with_struct_size(entry, args, v1_struct_size(entry.op)) == Status.INVALID_VALUE
+    assert "head_dim = 100" in last_error()
+
+
+@only_without_gpu
+@generic_entries
+@pytest.mark.parametrize("error_flags", [0, WORD + 2], ids=["null", "misaligned"])
+def test_v1_struct_size_ignores_the_checked_mode_fields(entry, error_flags):
+    """With work and every pointer set, checked mode past the V1 size would fail on error_flags;
+    read as 0 (unchecked), the call gets to the launch, which fails without a GPU."""
+    args = checked_args(entry, num_blocks=8, error_flags=error_flags)
+    assert call_with_struct_size(entry, args, v1_struct_size(entry.op)) == Status.CUDA_ERROR, last_error()
+    assert call_with_struct_size(entry, args, ctypes.sizeof(STRUCTS[f"fp8kturbov_{entry.op}_params"])) \
+        == (Status.NULL_POINTER if error_flags == 0 else Status.MISALIGNED)
+
+
+@generic_entries
+@pytest.mark.parametrize("work", [0, pytest.param(1, marks=only_without_gpu)], ids=["no_work", "work"])
+def test_v1_struct_is_not_read_past_its_size(entry, work):
+    """An old caller's struct may end where its memory ends (a fault here kills the test run)."""
+    args = entry.valid_args() if work == 0 else checked_args(entry)
+    v1_size = v1_struct_size(entry.op)
+    params, _mapping = struct_before_an_unreadable_page(params_struct(entry, args, v1_size), v1_size)
+    expected = Status.SUCCESS if work == 0 else Status.CUDA_ERROR
+    assert getattr(lib, entry.c_name)(params, None) == expected, last_error()
+    if entry.op == "decode":  # the workspace query reads the same struct
+        out = ctypes.c_uint64()
+        assert lib.fp8kturbov_paged_decode_workspace_bytes(params, ctypes.byref(out)) in query_ok()
+
+
+def query_ok() -> set[Status]:
+    """Outcomes of a valid workspace query: it reads the device's SM count."""
+    return {Status.SUCCESS} | ({Status.CUDA_ERROR} if gpu_unavailable_reason() is not None else set())
+
+
+@pytest.mark.parametrize("error_flags", [0, WORD + 2], ids=["null", "misaligned"])
+def test_workspace_query_ignores_checked_mode(error_flags):
+    entry = Entry("decode")
+    args = entry.valid_args(work=1) | {"num_blocks": 8, "error_flags": error_flags}
+    params = params_struct(entry, args, ctypes.sizeof(_lib.DecodeParams))
+    out = ctypes.c_uint64()
+    assert lib.fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(params), ctypes.byref(out)) in query_ok(), \
+        last_error()
+
+
 # ---- The Python layer ------------------------------------------------------------------------------
 RANGE_ERRORS = [
     ("num_tokens", -1), ("num_seqs", 2**32), ("num_kv_heads", -1), ("head_dim", 2**32),
     ("head_dim", True), ("block_size", 16.0), ("v_bits", -3), ("sliding_window", 2**32),
     ("k_scale", 1e39), ("k_scale", -3.5e38), ("inv_sqrt_d", 1e39), ("sparse_v_threshold", -1e39),
     ("v_block_stride_bytes", 2**64), ("v_data_section_bytes", -1), ("k_cache", -16), ("k_cache", 2**64),
+    ("num_blocks", -1), ("num_blocks", 2**64), ("error_flags", -4), ("error_flags", 2**64),
 ]
 RANGE_CASES = [pytest.param(entry, name, value, id=f"{entry}-{name}={value!r}")
                for entry in ENTRIES for name, value in RANGE_ERRORS if name in entry.valid_args()]

@@ -27,6 +27,7 @@ import pytest
 
 import fp8kturbov
 from conftest import gpu_unavailable_reason
+from fake_driver import FakeDriver
 from fp8kturbov import ArgumentError, CacheLayout, KVCache, arrays, ops
 
 LAYOUT = CacheLayout(num_blocks=8, block_size=16, num_kv_heads=2, head_dim=64, v_bits=3)
@@ -273,9 +274,10 @@ def launched(calls, op: str) -> dict[str, Any]:
     return found[0][1]
 
 
-def make_cache(**pool_options) -> KVCache:
+def make_cache(*, checked: bool = False, **pool_options) -> KVCache:
     return KVCache.wrap(FakeCAI((LAYOUT.k_pool_bytes,), "uint8", **pool_options),
-                        FakeCAI((LAYOUT.v_pool_bytes,), "uint8", **pool_options), LAYOUT, K_SCALE)
+                        FakeCAI((LAYOUT.v_pool_bytes,), "uint8", **pool_options), LAYOUT, K_SCALE,
+                        checked=checked)
 
 
 def write_args(make) -> dict[str, Any]:
@@ -297,6 +299,7 @@ LAYOUT_ARGS = dict(num_kv_heads=H, head_dim=D, block_size=LAYOUT.block_size, v_b
                    k_block_stride_bytes=LAYOUT.k_block_stride_bytes,
                    v_block_stride_bytes=LAYOUT.v_block_stride_bytes,
                    v_data_section_bytes=LAYOUT.v_data_section_bytes)
+UNCHECKED_ARGS = dict(num_blocks=0, error_flags=0)  # what a cache built without checked=True passes
 
 
 # ---- Valid calls: what reaches the launchers ----------------------------------------------------------
@@ -309,7 +312,7 @@ def test_write_passes_pointers_element_strides_and_the_layout(make, launches):
     assert kw == dict(key=args["key"].ptr, value=args["value"].ptr, k_cache=cache.k_ptr,
                       v_cache=cache.v_ptr, slot_mapping=args["slot_mapping"].ptr, num_tokens=T,
                       key_stride=N + 40, value_stride=N, k_scale=K_SCALE, stream=kw["stream"],
-                      **LAYOUT_ARGS)
+                      **LAYOUT_ARGS, **UNCHECKED_ARGS)
     assert ("device", (0,), {}) in launches
 
 
@@ -335,7 +338,7 @@ def test_decode_passes_shapes_strides_defaults_and_returns_out(make, launches):
                       seq_lens=args["seq_lens"].ptr, max_blocks_per_seq=MAX_BLOCKS, num_seqs=S,
                       num_q_heads=HQ, inv_sqrt_d=D ** -0.5, k_scale=K_SCALE, q_stride=HQ * D + 8, sliding_window=7,
                       sparse_v_threshold=1e-3, workspace=workspace.ptr, workspace_bytes=4000,
-                      stream=kw["stream"], **LAYOUT_ARGS)
+                      stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
 
 
 def test_decode_explicit_scalars_and_no_workspace(launches):
@@ -376,7 +379,8 @@ def test_dequantize_passes_pointers_element_strides_and_the_layout(make, launche
     kw = launched(launches, "dequantize")
     assert kw == dict(k_cache=cache.k_ptr, v_cache=cache.v_ptr, slot_mapping=args["slot_mapping"].ptr,
                       key=args["key"].ptr, value=args["value"].ptr, num_tokens=T, key_stride=N + 24,
-                      value_stride=N, k_scale=K_SCALE, stream=kw["stream"], **LAYOUT_ARGS)
+                      value_stride=N, k_scale=K_SCALE, stream=kw["stream"], **LAYOUT_ARGS,
+                      **UNCHECKED_ARGS)
     assert ("device", (0,), {}) in launches
 
 
@@ -824,87 +828,7 @@ def test_cuda_backend_and_workspace_need_a_driver():
         make_cache().decode_workspace(S, HQ, MAX_BLOCKS)
 
 
-# ---- The driver bookkeeping, against a fake cuda.bindings.driver ---------------------------------------
-class FakeDriver:
-    """The cuda.bindings.driver calls the module makes, answering like the real ones (a tuple
-    ``(CUresult, *values)``), keeping a context stack, primary-context references, live
-    allocations and a log of stream operations."""
-
-    class CUresult:
-        CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_CONTEXT = 0, 1, 201
-
-    CUpointer_attribute = SimpleNamespace(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9)
-    CUevent_flags = SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
-    CUstream = int
-
-    def __init__(self) -> None:
-        self.stack: list[int] = []            # devices of the current-context stack
-        self.references = {0: 0, 1: 0}        # primary-context references per device
-        self.live: dict[int, tuple[int, int]] = {}  # ptr -> (bytes, device current at allocation)
-        self.log: list[tuple] = []
-        self.pointer_devices: dict[int, tuple[int, int]] = {}  # ptr -> (CUresult, ordinal)
-        self._next = itertools.count(0x1000, 0x1000)
-
-    def cuDeviceGet(self, ordinal):
-        return (0, ordinal)
-
-    def cuDevicePrimaryCtxRetain(self, device):
-        self.references[device] += 1
-        return (0, device)
-
-    def cuDevicePrimaryCtxRelease(self, device):
-        self.references[device] -= 1
-        return (0,)
-
-    def cuCtxPushCurrent(self, context):
-        self.stack.append(context)
-        return (0,)
-
-    def cuCtxPopCurrent(self):
-        return (0, self.stack.pop())
-
-    def cuCtxGetDevice(self):
-        return (0, self.stack[-1]) if self.stack else (self.CUresult.CUDA_ERROR_INVALID_CONTEXT, 0)
-
-    def cuMemAlloc(self, nbytes):
-        ptr = next(self._next)
-        self.live[ptr] = (nbytes, self.stack[-1])
-        return (0, ptr)
-
-    def cuMemFree(self, ptr):
-        del self.live[ptr]
-        return (0,)
-
-    def cuEventCreate(self, flags):
-        self.log.append(("create", flags))
-        return (0, "event")
-
-    def cuEventRecord(self, event, stream):
-        self.log.append(("record", stream))
-        return (0,)
-
-    def cuStreamWaitEvent(self, stream, event, flags):
-        self.log.append(("wait", stream))
-        return (0,)
-
-    def cuEventDestroy(self, event):
-        self.log.append(("destroy",))
-        return (0,)
-
-    def cuPointerGetAttribute(self, attribute, ptr):
-        return self.pointer_devices.get(ptr, (self.CUresult.CUDA_ERROR_INVALID_VALUE, 0))
-
-    def cuGetErrorName(self, err):
-        return (0, f"CUDA_ERROR_{err}".encode())
-
-
-@pytest.fixture
-def driver(monkeypatch) -> FakeDriver:
-    fake = FakeDriver()
-    monkeypatch.setattr(arrays, "_driver", lambda: fake)
-    return fake
-
-
+# ---- The driver bookkeeping, against a fake cuda.bindings.driver (the driver fixture) ----------------
 def test_device_buffer_allocates_in_and_holds_the_primary_context(driver):
     buffer = fp8kturbov.DeviceBuffer(1024, device=1)
     assert driver.live == {buffer.ptr: (1024, 1)} and driver.stack == []
@@ -966,6 +890,85 @@ def test_pointer_device_asks_the_driver(driver):
     assert REAL_POINTER_DEVICE("key", 0) is None
     with pytest.raises(ArgumentError, match="key: address 0x3000, unknown to the CUDA driver"):
         REAL_POINTER_DEVICE("key", 0x3000)
+
+
+# ---- Checked mode: the cache's error word (fake driver) -------------------------------------------------
+def test_checked_cache_passes_its_pages_and_error_word(driver, launches):
+    cache = make_cache(checked=True)
+    word = cache.error_word
+    assert isinstance(word, fp8kturbov.ErrorWord) and word.device == cache.device == 0
+    assert driver.live[word.ptr] == (4, 0) and driver.word(word.ptr) == 0
+    fp8kturbov.write_kv(cache=cache, **write_args(FakeCAI))
+    fp8kturbov.paged_decode(cache=cache, **decode_args(FakeCAI))
+    fp8kturbov.dequantize_kv(cache=cache, **dequantize_args(FakeCAI))
+    for op in ("reshape_and_cache", "paged_decode_attn", "dequantize"):
+        kw = launched(launches, op)
+        assert (kw["num_blocks"], kw["error_flags"]) == (LAYOUT.num_blocks, word.ptr), op
+
+
+def test_checked_cache_reports_and_zeroes_its_error_word(driver):
+    cache = make_cache(checked=True, device=1)
+    word = cache.error_word
+    assert word.device == 1 and driver.live[word.ptr] == (4, 1)  # on the pools' device
+    cache.check_errors()
+    driver.set_word(word.ptr, fp8kturbov.IndexErrorFlags.BLOCK_TABLE)
+    driver.log.clear()
+    with pytest.raises(fp8kturbov.CacheIndexError) as info:
+        cache.check_errors(stream=TorchStream(0x40))
+    assert info.value.flags == fp8kturbov.IndexErrorFlags.BLOCK_TABLE
+    assert driver.log == [("copy", 0x40, 1), ("sync", 0x40, 1), ("memset", 0x40, 1)]
+    assert driver.word(word.ptr) == 0
+    cache.check_errors(stream=TorchStream(0x40))  # reported once
+    cache.close()
+    assert cache.error_word is None and word.closed and word.ptr not in driver.live
+    assert driver.references[1] == 0
+    with pytest.raises(ArgumentError, match="a closed KVCache"):
+        cache.check_errors()
+
+
+def test_unchecked_cache_has_no_error_word(driver):
+    cache = make_cache()
+    assert cache.error_word is None and not cache.checked and driver.live == {}
+    with pytest.raises(ArgumentError) as info:
+        cache.check_errors()
+    assert (info.value.argument, info.value.found) == ("cache", "a KVCache built with checked=False")
+
+
+@pytest.mark.parametrize("checked", [1, "yes", None, np.bool_(True)], ids=repr)
+def test_checked_must_be_a_bool(driver, checked):
+    with pytest.raises(TypeError, match="^checked: "):
+        make_cache(checked=checked)
+    with pytest.raises(TypeError, match="^checked: "):
+        KVCache.allocate(LAYOUT, K_SCALE, backend="cuda", checked=checked)
+    assert driver.live == {}  # refused before anything was allocated
+
+
+def test_checked_cache_needs_pages(driver):
+    """num_blocks = 0 would tell the library "unchecked": a checked cache of no pages is refused."""
+    empty = CacheLayout(num_blocks=0, block_size=16, num_kv_heads=H, head_dim=D, v_bits=3)
+    pools = FakeCAI((0,), "uint8"), FakeCAI((0,), "uint8")
+    assert KVCache.wrap(*pools, empty, K_SCALE).error_word is None
+    for build in (lambda: KVCache.wrap(*pools, empty, K_SCALE, checked=True),
+                  lambda: KVCache.allocate(empty, K_SCALE, backend="cuda", checked=True)):
+        with pytest.raises(ArgumentError) as info:
+            build()
+        assert (info.value.argument, info.value.found) == ("layout", "num_blocks = 0")
+    assert driver.live == {}
+
+
+def test_allocate_checked_owns_pools_and_word(driver, monkeypatch):
+    monkeypatch.setattr(arrays, "_pointer_device", REAL_POINTER_DEVICE)  # the pools' device
+    with KVCache.allocate(LAYOUT, K_SCALE, backend="cuda", device=1, checked=True) as cache:
+        assert sorted(n for n, _ in driver.live.values()) == sorted(
+            [4, LAYOUT.k_pool_bytes, LAYOUT.v_pool_bytes])
+        assert driver.live[cache.error_word.ptr] == (4, 1)
+    assert driver.live == {} and driver.references[1] == 0
+
+
+def test_checked_cache_needs_a_driver(monkeypatch):
+    monkeypatch.setattr(arrays, "_driver", lambda: None)
+    with pytest.raises(fp8kturbov.CudaError, match="no usable CUDA driver"):
+        make_cache(checked=True)
 
 
 def test_a_launch_switches_device_and_waits_through_the_driver(driver, monkeypatch):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from abi_util import EXCEPTIONS, last_error, no_gpu
+from abi_util import EXCEPTIONS, last_error, no_gpu, struct_before_an_unreadable_page, v1_struct_size
 from fp8kturbov import Status
 from fp8kturbov import reference as ref
 from fp8kturbov._lib import DequantizeParams, lib
@@ -153,13 +153,21 @@ def fake_pointers(names: list[str]) -> dict[str, int]:
     return {name: FAKE_BASE + 0x10_0000 * i for i, name in enumerate(names)}
 
 
-def call_c(args: dict[str, Any]) -> int:
-    """``fp8kturbov_dequantize`` on its own (no Python check in between), NULL stream."""
+def params_struct(args: dict[str, Any], struct_size: int | None = None) -> DequantizeParams:
+    """The defaults of ``fp8kturbov_dequantize_params_init``, then ``args``; ``struct_size``
+    claimed instead of the full size if given."""
     params = DequantizeParams()
     lib.fp8kturbov_dequantize_params_init(ctypes.byref(params))
     for name, value in args.items():
         setattr(params, name, value)
-    return lib.fp8kturbov_dequantize(ctypes.byref(params), None)
+    if struct_size is not None:
+        params.struct_size = struct_size
+    return params
+
+
+def call_c(args: dict[str, Any], struct_size: int | None = None) -> int:
+    """``fp8kturbov_dequantize`` on its own (no Python check in between), NULL stream."""
+    return lib.fp8kturbov_dequantize(ctypes.byref(params_struct(args, struct_size)), None)
 
 
 def show(name: str, value: Any) -> str:
@@ -253,6 +261,9 @@ CHANGES = {
     "padded_rows": lambda a: {"key_stride": a["key_stride"] + 3, "value_stride": a["value_stride"] + 8},
     "k_scale_1e-45": _set(k_scale=1e-45),  # no reciprocal is taken: a denormal scale is valid
     "k_scale_3e38": _set(k_scale=3e38),
+    # Checked mode needs its error word only when there is work.
+    "checked_null_error_flags": _set(num_blocks=8),
+    "checked_misaligned_error_flags": _set(num_blocks=8, error_flags=FAKE_BASE + 2),
 }
 
 
@@ -302,6 +313,65 @@ def test_launch_without_gpu_reports_the_cuda_error():
     assert re.search(r"\bcudaError[A-Z]\w+", info.value.message), info.value.message
 
 
+WORD = FAKE_BASE + 0x100_0000  # a fake error word, 16-byte aligned
+
+
+def checked_args(**checked_mode: int) -> dict[str, Any]:
+    """One token, every pointer set, and ``checked_mode`` (num_blocks, error_flags)."""
+    return valid_args(work=1) | fake_pointers(POINTERS) | checked_mode
+
+
+@pytest.mark.parametrize("error_flags, status, text", [
+    pytest.param(0, NULL, "error_flags is NULL", id="null", marks=RISKY),
+    *[pytest.param(WORD + offset, MIS, f"error_flags = {WORD + offset:#x} is not 4-byte aligned",
+                   id=f"misaligned+{offset}", marks=RISKY) for offset in (1, 2)]])
+def test_checked_mode_needs_an_aligned_error_word(error_flags, status, text):
+    expect_failure(checked_args(num_blocks=8, error_flags=error_flags), status, text)
+
+
+def test_checked_mode_error_word_is_checked_after_the_other_pointers():
+    expect_failure(valid_args(work=1) | {"num_blocks": 8}, NULL, f"{POINTERS[0]} is NULL")
+
+
+@pytest.mark.skipif(not no_gpu(), reason="a GPU may be usable: no fake pointers")
+@pytest.mark.parametrize("error_flags", [0, WORD + 2], ids=["null", "misaligned"])
+def test_unchecked_call_ignores_error_flags(error_flags):
+    """num_blocks = 0: every check passes and the launch itself is refused (no GPU)."""
+    args = checked_args(num_blocks=0, error_flags=error_flags)
+    with pytest.raises(fp8kturbov.CudaError):
+        fp8kturbov.dequantize(**args)
+    assert call_c(args) == Status.CUDA_ERROR
+
+
+def test_v1_struct_size_is_accepted():
+    v1_size = v1_struct_size("dequantize")
+    lib.fp8kturbov_dequantize(None, None)  # a known earlier failure
+    assert call_c(valid_args() | {"num_blocks": 8, "error_flags": WORD + 1}, v1_size) == Status.SUCCESS
+    assert last_error() == ""
+    assert call_c(valid_args() | {"head_dim": 100}, v1_size) == V  # the version-1 fields are read
+    assert "head_dim = 100" in last_error()
+
+
+@pytest.mark.skipif(not no_gpu(), reason="a GPU may be usable: no fake pointers")
+@pytest.mark.parametrize("error_flags", [0, WORD + 2], ids=["null", "misaligned"])
+def test_v1_struct_size_ignores_the_checked_mode_fields(error_flags):
+    """Checked mode past the V1 size would fail on error_flags; read as 0 (unchecked), the call
+    gets to the launch, which fails without a GPU."""
+    args = checked_args(num_blocks=8, error_flags=error_flags)
+    assert call_c(args, v1_struct_size("dequantize")) == Status.CUDA_ERROR, last_error()
+    assert call_c(args) == (NULL if error_flags == 0 else MIS)
+
+
+@pytest.mark.parametrize("work", [0, pytest.param(1, marks=RISKY)], ids=["no_work", "work"])
+def test_v1_struct_is_not_read_past_its_size(work):
+    """An old caller's struct may end where its memory ends (a fault here kills the test run)."""
+    v1_size = v1_struct_size("dequantize")
+    args = valid_args() if work == 0 else checked_args()
+    params, _mapping = struct_before_an_unreadable_page(params_struct(args, v1_size), v1_size)
+    expected = Status.SUCCESS if work == 0 else Status.CUDA_ERROR
+    assert lib.fp8kturbov_dequantize(params, None) == expected, last_error()
+
+
 def test_null_params_struct():
     assert lib.fp8kturbov_dequantize(None, None) == NULL
     assert last_error() == f"{C_NAME}: params is NULL"
@@ -319,7 +389,8 @@ def test_wrong_struct_size(delta):
 
 
 RANGE_ERRORS = [("num_tokens", -1), ("key_stride", 2**32), ("head_dim", True), ("block_size", 16.0),
-                ("k_scale", 1e39), ("v_data_section_bytes", 2**64), ("key", -2), ("slot_mapping", 2**64)]
+                ("k_scale", 1e39), ("v_data_section_bytes", 2**64), ("key", -2), ("slot_mapping", 2**64),
+                ("num_blocks", -1), ("error_flags", 2**64)]
 
 
 @pytest.mark.parametrize("name, value", [pytest.param(name, value, id=f"{name}={value!r}")

@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fp8kturbov  # noqa: E402
-from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu  # noqa: E402
+from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu, v1_struct_size  # noqa: E402
 from conftest import gpu_unavailable_reason  # noqa: E402
 from fp8kturbov import Status, _lib  # noqa: E402
 from fp8kturbov._lib import lib  # noqa: E402
@@ -89,10 +89,16 @@ def _fixed_launcher_params(macro: str) -> list[str]:
 
 STRUCTS = {"write": _lib.WriteParams, "decode": _lib.DecodeParams}
 FIELD_TYPES = {op: dict(s._fields_) for op, s in STRUCTS.items()}
-# Required pointers in header order (the optional decode workspace excluded).
-POINTERS = {op: [n for n, t in s._fields_ if t is ctypes.c_void_p and n != "workspace"]
-            for op, s in STRUCTS.items()}
+# Pointer fields in header order.
+ALL_POINTERS = {op: [n for n, t in s._fields_ if t is ctypes.c_void_p] for op, s in STRUCTS.items()}
+# Required pointers in header order (the optional decode workspace and checked-mode error word
+# excluded).
+POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags")]
+            for op, names in ALL_POINTERS.items()}
 WORK = {"write": "num_tokens", "decode": "num_seqs"}
+# FP8KTURBOV_<OP>_PARAMS_V1_SIZE: the struct before the checked-mode fields, still accepted.
+V1_SIZES = {op: v1_struct_size(op) for op in STRUCTS}
+UNCHECKED = {"num_blocks": 0, "error_flags": 0}  # how the library reads a version-1 struct's tail
 FIXED_PARAMS = {"write": _fixed_launcher_params("FP8KTURBOV_DECLARE_WRITE"),
                 "decode": _fixed_launcher_params("FP8KTURBOV_DECLARE_DECODE")}
 assert all(names[-1] == "stream" for names in FIXED_PARAMS.values()), FIXED_PARAMS
@@ -139,7 +145,7 @@ def same_float(a: float, b: float) -> bool:
 def assert_cannot_launch(op: str, args: dict[str, Any]) -> None:
     """The safety rule of this file: with work, every pointer is NULL."""
     if args.get(WORK[op], 0):
-        live = [p for p in POINTERS[op] + ["workspace"] if args.get(p)]
+        live = [p for p in ALL_POINTERS[op] if args.get(p)]
         assert not live, f"refusing a call with work and non-NULL pointers {live}"
 
 
@@ -217,10 +223,12 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         e.rule(a["q_stride"] < nq * hd, V, "q_stride = ")
         inv_sqrt_d = f32(a["inv_sqrt_d"])
         e.rule(not math.isfinite(inv_sqrt_d), V, "inv_sqrt_d = ")
-        with np.errstate(over="ignore"):
-            e.rule(k_scale_ok and math.isfinite(inv_sqrt_d)
-                   and not np.isfinite(np.float32(inv_sqrt_d) * np.float32(k_scale)),
-                   V, "inv_sqrt_d * k_scale = ")
+        with np.errstate(over="ignore", invalid="ignore"):  # judged below for valid factors only
+            score_scale = np.float32(inv_sqrt_d) * np.float32(k_scale)
+        e.rule(k_scale_ok and math.isfinite(inv_sqrt_d) and not np.isfinite(score_scale),
+               V, "inv_sqrt_d * k_scale = ")
+        e.rule(k_scale_ok and math.isfinite(inv_sqrt_d) and inv_sqrt_d != 0 and score_scale == 0,
+               V, "underflows")
         sparse = f32(get("sparse_v_threshold", 1e-3))
         e.rule(not (math.isfinite(sparse) and sparse >= 0), V, "sparse_v_threshold = ")
         shape_ok = bits_ok and hd_built and nkv > 0 and bs > 0 and 0 < nq <= 65535 and nq % nkv == 0
@@ -244,6 +252,8 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         nulls = [p for p in POINTERS[op] if not get(p)]
         assert nulls == POINTERS[op], "the fuzz only calls with work when every pointer is NULL"
         e.rule(True, NULL, f"{nulls[0]} is NULL")
+        # Checked mode (the workspace query ignores it): the error word, NULL here as well.
+        e.rule(get("num_blocks") > 0 and not get("error_flags"), NULL, "error_flags is NULL")
     return e
 
 
@@ -311,12 +321,14 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
     k_page = block_size * row
     v_data = k_page * bits // 8
     v_data_pad = draw(st.sampled_from([0, 8]))  # multiples of 4 keep the decode's V copies aligned
-    args: dict[str, Any] = dict.fromkeys(POINTERS[entry.op] + ["workspace"], 0)
+    # valid: the write needs a finite 1/k_scale, the decode a finite inv_sqrt_d · k_scale that
+    # is not 0 unless inv_sqrt_d is
+    k_scale = draw(st.floats(2.0**-126 if entry.op == "write" else 2.0**-149,
+                             FLT_MAX if entry.op == "write" else 2.0**40, width=32))
+    args: dict[str, Any] = dict.fromkeys(ALL_POINTERS[entry.op], 0)
     args.update(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, v_bits=bits,
-                # valid: the write needs a finite 1/k_scale, the decode a finite inv_sqrt_d · k_scale
-                k_scale=draw(st.floats(2.0**-126 if entry.op == "write" else 2.0**-149,
-                                       FLT_MAX if entry.op == "write" else 2.0**40, width=32)),
-                v_data_section_bytes=v_data + v_data_pad,
+                num_blocks=draw(st.one_of(st.just(0), st.sampled_from(U64_EDGES), st.integers(0, U64_MAX))),
+                k_scale=k_scale, v_data_section_bytes=v_data + v_data_pad,
                 v_block_stride_bytes=v_data + v_data_pad + k_page // 16 + draw(st.sampled_from([0, 8, 64])))
     if entry.op == "write":
         args.update(num_tokens=draw(work), key_stride=row + draw(st.integers(0, 64)),
@@ -326,7 +338,8 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
         num_q_heads = num_kv_heads * draw(st.integers(1, 8))
         args.update(num_seqs=draw(work), num_q_heads=num_q_heads,
                     max_blocks_per_seq=draw(st.integers(1, 1024)),
-                    inv_sqrt_d=draw(st.floats(-(2.0**80), 2.0**80, width=32)),
+                    inv_sqrt_d=draw(st.floats(-(2.0**80), 2.0**80, width=32).filter(
+                        lambda x: x == 0 or np.float32(x) * np.float32(k_scale) != 0)),
                     q_stride=num_q_heads * head_dim + draw(st.integers(0, 64)),
                     sliding_window=draw(st.one_of(st.sampled_from(U32_EDGES), st.integers(0, U32_MAX))),
                     k_block_stride_bytes=draw(st.sampled_from([0, k_page, k_page + 16])),
@@ -389,7 +402,9 @@ def test_c_work_with_null_pointers_names_the_first_pointer(entry, data):
     args = data.draw(valid_args(entry, st.one_of(st.sampled_from([1, 2**31 - 1]), st.integers(1, 2**31 - 1))),
                      label="args")
     e = model(entry.op, bits_of(entry, args), args)
-    assume(e.broken == [(NULL, f"{POINTERS[entry.op][0]} is NULL")] and not e.possible)  # not too many tokens
+    # Not too many tokens. A checked-mode call has no error word either: it is checked after the
+    # required pointers, so the first of those is still the one named.
+    assume(all(status == NULL for status, _ in e.broken) and not e.possible)
     assert call_c(entry, args) == Status.NULL_POINTER, last_error()
     assert last_error() == f"{entry.c_name}: {POINTERS[entry.op][0]} is NULL"
 
@@ -410,9 +425,10 @@ def test_c_head_dim_not_a_multiple_of_16_is_invalid_value(entry, data):
 @FEW
 @given(data=st.data())
 def test_c_struct_size_other_than_the_library_s_is_refused(entry, data):
-    size = ctypes.sizeof(STRUCTS[entry.op])
-    struct_size = data.draw(st.one_of(st.sampled_from([0, 1, size - 8, size - 1, size + 1, size + 8, 2**63, U64_MAX]),
-                                      st.integers(0, U64_MAX)).filter(lambda n: n != size), label="struct_size")
+    size, v1_size = ctypes.sizeof(STRUCTS[entry.op]), V1_SIZES[entry.op]
+    near = [0, 1, size - 8, size - 1, size + 1, size + 8, v1_size - 8, v1_size - 1, v1_size + 1, v1_size + 8]
+    struct_size = data.draw(st.one_of(st.sampled_from(near + [2**63, U64_MAX]), st.integers(0, U64_MAX))
+                            .filter(lambda n: n not in (size, v1_size)), label="struct_size")
     args = data.draw(hostile_args(entry), label="args")
     assert call_c(entry, args, struct_size=struct_size) == Status.BAD_STRUCT_SIZE, last_error()
     assert last_error().startswith(f"{entry.c_name}: ")
@@ -425,6 +441,23 @@ def test_c_struct_size_other_than_the_library_s_is_refused(entry, data):
         assert lib.fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(params), ctypes.byref(out)) == \
             Status.BAD_STRUCT_SIZE
         assert last_error().startswith(f"{QUERY}: ") and f"struct_size = {struct_size}" in last_error()
+
+
+@pytest.mark.parametrize("entry", [WRITE, DECODE], ids=str)
+@FUZZ
+@given(data=st.data())
+def test_c_v1_struct_size_reads_the_checked_mode_fields_as_0(entry, data):
+    """A struct_size of the version-1 struct: the fields before it are checked as usual and the
+    checked-mode fields past it, set here to anything, read as 0 (unchecked)."""
+    args = data.draw(hostile_args(entry), label="args")
+    args["num_blocks"] = data.draw(st.integers(1, U64_MAX), label="num_blocks")
+    status = call_c(entry, args, struct_size=V1_SIZES[entry.op])
+    check_status(entry.c_name, status, model(entry.op, bits_of(entry, args), args | UNCHECKED))
+    if entry.op == "decode":  # the workspace query accepts the same size (and ignores pointers)
+        args |= dict.fromkeys(POINTERS["decode"], 0)
+        status = _query(args, ctypes.byref(ctypes.c_uint64()), struct_size=V1_SIZES["decode"])
+        check_status(QUERY, status, model("decode", args["v_bits"], args | UNCHECKED, query=True),
+                     ok=query_ok())
 
 
 def test_c_null_params():
@@ -453,11 +486,13 @@ def test_c_params_init_ignores_garbage_and_null(op, data):
         assert getattr(params, name) == getattr(fresh, name), name
 
 
-def _query(args: dict[str, Any], out: Any) -> int:
+def _query(args: dict[str, Any], out: Any, struct_size: int | None = None) -> int:
     params = STRUCTS["decode"]()
     lib.fp8kturbov_decode_params_init(ctypes.byref(params))
     for name, value in args.items():
         setattr(params, name, value)
+    if struct_size is not None:
+        params.struct_size = struct_size
     return lib.fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(params), out)
 
 
@@ -473,6 +508,7 @@ def test_c_workspace_bytes_hostile_scalars(data):
     for name in POINTERS["decode"]:  # pointers are ignored by the query (tested below): NULL here
         args[name] = 0
     args["workspace"] = data.draw(c_pointers, label="workspace")  # ignored as well, never launched
+    args["error_flags"] = data.draw(c_pointers, label="error_flags")  # so is checked mode
     out_null = data.draw(st.integers(0, 9), label="out") == 0
     out = ctypes.c_uint64(0xDEAD)
     status = _query(args, None if out_null else ctypes.byref(out))
@@ -590,7 +626,7 @@ class _Checked:
             record.calls[-1][1].append(snapshot)
             op = "write" if isinstance(params, _lib.WriteParams) else "decode"
             if self.c_name != QUERY and snapshot[WORK[op]] and any(
-                    snapshot.get(p) for p in POINTERS[op] + ["workspace"]):
+                    snapshot.get(p) for p in ALL_POINTERS[op]):
                 record.refuse(f"{where}: work with non-NULL pointers")
         else:
             record.calls[-1][1].append(value)

@@ -37,7 +37,7 @@ extern "C" {
 
 /* ---- Versions ------------------------------------------------------------------------------ */
 #define FP8KTURBOV_VERSION_MAJOR 0
-#define FP8KTURBOV_VERSION_MINOR 1
+#define FP8KTURBOV_VERSION_MINOR 2
 #define FP8KTURBOV_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define FP8KTURBOV_VERSION \
@@ -70,6 +70,33 @@ FP8KTURBOV_API const char* fp8kturbov_last_error_message(void);
 /* Opaque stream handle: pass a CUstream or cudaStream_t (or NULL). */
 typedef struct CUstream_st* fp8kturbov_stream_t;
 
+/* ---- Checked mode ------------------------------------------------------------------------------ */
+/*
+ * Every params struct has two trailing fields, num_blocks and error_flags. With num_blocks = 0
+ * (the default) nothing is checked on the device: an out-of-range page id or slot reads or writes
+ * outside the pools, as in the original engine. With num_blocks > 0, the number of pages each
+ * pool holds, the kernels check every page they are about to touch, skip what is out of range
+ * and OR the bits below into the caller's device word *error_flags (required then; 4-byte
+ * aligned). The caller zeroes the word, reads it once the stream has reached a point after the
+ * launch, and zeroes it again; the library never reads it on the host (no synchronisation).
+ * Values are append-only.
+ */
+typedef enum fp8kturbov_index_error {
+  /* write / dequantize: a slot's page (slot / block_size) is >= num_blocks. The write skips the
+   * token (nothing written); the dequantize gives its rows as zeros. */
+  FP8KTURBOV_INDEX_ERROR_SLOT = 1,
+  /* decode: a block-table entry of an attended position is < 0 or >= num_blocks. The positions
+   * of that page are left out of the softmax (neither read nor counted). */
+  FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE = 2,
+  /* decode: a seq_len < 0 or > max_blocks_per_seq * block_size. It is clamped to that range,
+   * which is also what happens, unreported, with num_blocks = 0. */
+  FP8KTURBOV_INDEX_ERROR_SEQ_LEN = 4
+} fp8kturbov_index_error_t;
+
+/* struct_size: each params struct accepts the size of this header's struct and that of the
+ * struct without the checked-mode fields (FP8KTURBOV_*_PARAMS_V1_SIZE, library version 0.1),
+ * whose missing fields read as 0. */
+
 /* ---- Layout sizes (host only, no CUDA call) -------------------------------------------------- */
 /* Each returns the size in BYTES, or 0 when an argument is invalid (head_dim not a multiple of
  * 16, bits not in {2, 3, 4}, a zero size, a row num_kv_heads*head_dim over 2^32 - 1, which
@@ -91,7 +118,8 @@ FP8KTURBOV_API uint64_t fp8kturbov_v_page_bytes(uint32_t block_size, uint32_t nu
  *  slot_mapping          int64 [num_tokens], slot = page*block_size + offset; slot < 0 writes
  *                        nothing (padding).
  *  v_data_section_bytes  byte offset of the scale section inside a V page.
- * A slot's page must lie inside the pools; the library does not know their capacity.
+ * A slot's page must lie inside the pools: unless num_blocks is given (checked mode, above), the
+ * library does not know their capacity.
  */
 typedef struct fp8kturbov_write_params {
   size_t struct_size; /* sizeof(fp8kturbov_write_params_t) of the caller's header */
@@ -111,7 +139,10 @@ typedef struct fp8kturbov_write_params {
   uint64_t k_block_stride_bytes;
   uint64_t v_block_stride_bytes;
   uint64_t v_data_section_bytes;
+  uint64_t num_blocks;   /* checked mode: pages per pool; 0 = unchecked */
+  uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
 } fp8kturbov_write_params_t;
+#define FP8KTURBOV_WRITE_PARAMS_V1_SIZE 104
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
 FP8KTURBOV_API void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params);
@@ -152,7 +183,8 @@ FP8KTURBOV_DECLARE_WRITE(4)
  *                kernel merges the splits; with less (or none: the fixed-argument launchers) each
  *                (sequence, KV head) runs in one CTA. The result is deterministic for a given
  *                shape, device and workspace size. The workspace is only used by work on `stream`.
- * Query head h reads KV head h / (num_q_heads / num_kv_heads).
+ * Query head h reads KV head h / (num_q_heads / num_kv_heads). Block-table entries of attended
+ * positions must be pages inside the pools: checked mode (above) verifies them.
  */
 typedef struct fp8kturbov_decode_params {
   size_t struct_size; /* sizeof(fp8kturbov_decode_params_t) of the caller's header */
@@ -179,7 +211,10 @@ typedef struct fp8kturbov_decode_params {
   float sparse_v_threshold; /* >= 0; default 1e-3 */
   void* workspace;          /* may be NULL */
   uint64_t workspace_bytes;
+  uint64_t num_blocks;   /* checked mode: pages per pool; 0 = unchecked */
+  uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
 } fp8kturbov_decode_params_t;
+#define FP8KTURBOV_DECODE_PARAMS_V1_SIZE 144
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, sparse_v_threshold = 1e-3,
  * everything else zero). */
@@ -218,8 +253,7 @@ FP8KTURBOV_DECLARE_DECODE(4)
  *                 gives a row of zeros.
  *  key, value     bf16 outputs: token t's row of num_kv_heads*head_dim elements at
  *                 key + t*key_stride / value + t*value_stride (strides in ELEMENTS).
- * The pools and their layout follow the same rules as the write's. A slot's page must lie inside
- * the pools; the library does not know their capacity.
+ * The pools and their layout follow the same rules as the write's, checked mode included.
  */
 typedef struct fp8kturbov_dequantize_params {
   size_t struct_size; /* sizeof(fp8kturbov_dequantize_params_t) of the caller's header */
@@ -239,7 +273,10 @@ typedef struct fp8kturbov_dequantize_params {
   uint64_t k_block_stride_bytes;
   uint64_t v_block_stride_bytes;
   uint64_t v_data_section_bytes;
+  uint64_t num_blocks;   /* checked mode: pages per pool; 0 = unchecked */
+  uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
 } fp8kturbov_dequantize_params_t;
+#define FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE 104
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
 FP8KTURBOV_API void fp8kturbov_dequantize_params_init(fp8kturbov_dequantize_params_t* params);

@@ -3,7 +3,9 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdarg>
+#include <cstddef>
 #include <cstdio>
+#include <cstring>
 
 #include <algorithm>
 #include <type_traits>
@@ -41,6 +43,11 @@ fp8kturbov_status_t report_launch(cudaError_t err, const char* entry) {
 
 bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 bool is_aligned2(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 1u) == 0; }
+
+// Whether bf16 rows at `rows`, `stride` elements apart, allow 16-byte accesses.
+bool allows_vector_access(const void* rows, uint64_t stride) {
+  return is_aligned16(rows) && stride % 8 == 0;
+}
 
 // The write and dequantize kernels access the bf16 rows element by element where they cannot
 // vectorise, so an odd address would fault inside the kernel instead of failing here.
@@ -103,12 +110,39 @@ fp8kturbov_status_t check_k_scale(const char* entry, float k_scale) {
       return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "%s is NULL", #field);              \
   } while (0)
 
-fp8kturbov_status_t check_struct_size(const char* entry, const void* params, size_t given,
-                                      size_t known) {
+// The caller's params struct as this library's: struct_size is this header's size or the size of
+// the first version of the struct (V1_SIZE, before the checked-mode fields), whose missing
+// fields read as 0.
+template <typename Params>
+fp8kturbov_status_t read_params(const char* entry, const Params* params, size_t v1_size, Params* out) {
   if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
-  if (given != known)
+  const size_t given = params->struct_size;
+  if (given != sizeof(Params) && given != v1_size)
     return fail(FP8KTURBOV_STATUS_BAD_STRUCT_SIZE, entry,
-                "params->struct_size = %zu, this library knows %zu", given, known);
+                "params->struct_size = %zu, this library knows %zu and %zu (version 1)", given,
+                sizeof(Params), v1_size);
+  *out = Params{};
+  std::memcpy(out, params, given);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+static_assert(offsetof(fp8kturbov_write_params_t, num_blocks) == FP8KTURBOV_WRITE_PARAMS_V1_SIZE,
+              "the version-1 write struct ends where the checked-mode fields begin");
+static_assert(offsetof(fp8kturbov_dequantize_params_t, num_blocks) == FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE,
+              "the version-1 dequantize struct ends where the checked-mode fields begin");
+static_assert(offsetof(fp8kturbov_decode_params_t, num_blocks) == FP8KTURBOV_DECODE_PARAMS_V1_SIZE,
+              "the version-1 decode struct ends where the checked-mode fields begin");
+
+// Checked mode (num_blocks > 0) needs the device word it reports to; called where the entry's
+// other pointers are checked.
+template <typename Params>
+fp8kturbov_status_t check_index_check(const char* entry, const Params& p, IndexCheck* check) {
+  *check = IndexCheck{p.num_blocks, p.num_blocks != 0 ? p.error_flags : nullptr};
+  if (p.num_blocks == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  if (p.error_flags == nullptr)
+    return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "error_flags is NULL");
+  if (reinterpret_cast<uintptr_t>(p.error_flags) % alignof(uint32_t) != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "error_flags = %p is not 4-byte aligned",
+                static_cast<const void*>(p.error_flags));
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
@@ -185,6 +219,8 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   FP8KTURBOV_REQUIRE_POINTER(v_cache);
   FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
   FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
+  IndexCheck index_check{};
+  FP8KTURBOV_CHECK(check_index_check(entry, p, &index_check));
 
   const WriteArgs args{static_cast<const uint16_t*>(p.key),
                        static_cast<const uint16_t*>(p.value),
@@ -196,12 +232,13 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                        p.block_size,
                        p.key_stride,
                        p.value_stride,
-                       is_aligned16(p.key) && p.key_stride % 8 == 0,
-                       is_aligned16(p.value) && p.value_stride % 8 == 0,
+                       allows_vector_access(p.key, p.key_stride),
+                       allows_vector_access(p.value, p.value_stride),
                        1.0f / p.k_scale,
                        p.k_block_stride_bytes,
                        p.v_block_stride_bytes,
-                       p.v_data_section_bytes};
+                       p.v_data_section_bytes,
+                       index_check};
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_reshape_and_cache<decltype(bits)::value>(args, stream);
   });
@@ -221,6 +258,8 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
   FP8KTURBOV_REQUIRE_POINTER(key);
   FP8KTURBOV_REQUIRE_POINTER(value);
   FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
+  IndexCheck index_check{};
+  FP8KTURBOV_CHECK(check_index_check(entry, p, &index_check));
 
   const DequantizeArgs args{static_cast<const uint8_t*>(p.k_cache),
                             static_cast<const uint8_t*>(p.v_cache),
@@ -232,12 +271,13 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
                             p.block_size,
                             p.key_stride,
                             p.value_stride,
-                            is_aligned16(p.key) && p.key_stride % 8 == 0,
-                            is_aligned16(p.value) && p.value_stride % 8 == 0,
+                            allows_vector_access(p.key, p.key_stride),
+                            allows_vector_access(p.value, p.value_stride),
                             p.k_scale,
                             p.k_block_stride_bytes,
                             p.v_block_stride_bytes,
-                            p.v_data_section_bytes};
+                            p.v_data_section_bytes,
+                            index_check};
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_dequantize<decltype(bits)::value>(args, stream);
   });
@@ -305,6 +345,11 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (!std::isfinite(p.inv_sqrt_d * p.k_scale))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "inv_sqrt_d * k_scale = %g * %g overflows float", double(p.inv_sqrt_d),
+                double(p.k_scale));
+  // The kernel scales scores by the product: a nonzero inv_sqrt_d must not become a zero one.
+  if (p.inv_sqrt_d != 0.0f && p.inv_sqrt_d * p.k_scale == 0.0f)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "inv_sqrt_d * k_scale = %g * %g underflows float to 0", double(p.inv_sqrt_d),
                 double(p.k_scale));
   if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
@@ -437,6 +482,8 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
       return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "workspace = %p is not 16-byte aligned",
                   p.workspace);
   }
+  IndexCheck index_check{};
+  FP8KTURBOV_CHECK(check_index_check(entry, p, &index_check));
   int multiprocessors = 0, ctas_per_sm = 0;
   const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
@@ -466,7 +513,8 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                         p.sparse_v_threshold,
                         decode_v_code_copy_bytes(reinterpret_cast<uintptr_t>(p.v_cache),
                                                  p.v_block_stride_bytes,
-                                                 v_data_section_bytes(1, row_elems, p.v_bits))};
+                                                 v_data_section_bytes(1, row_elems, p.v_bits)),
+                        index_check};
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)
@@ -526,9 +574,9 @@ fp8kturbov_status_t fp8kturbov_paged_decode_workspace_bytes(const fp8kturbov_dec
                                                             uint64_t* workspace_bytes) {
   const char* entry = "fp8kturbov_paged_decode_workspace_bytes";
   g_last_error[0] = '\0';
-  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
-                                     sizeof(fp8kturbov_decode_params_t)));
-  return decode_workspace_impl(entry, *params, workspace_bytes);
+  fp8kturbov_decode_params_t p;
+  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_DECODE_PARAMS_V1_SIZE, &p));
+  return decode_workspace_impl(entry, p, workspace_bytes);
 }
 
 uint64_t fp8kturbov_k_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim) {
@@ -579,27 +627,27 @@ fp8kturbov_status_t fp8kturbov_reshape_and_cache(const fp8kturbov_write_params_t
                                                  fp8kturbov_stream_t stream) {
   const char* entry = "fp8kturbov_reshape_and_cache";
   g_last_error[0] = '\0';
-  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
-                                     sizeof(fp8kturbov_write_params_t)));
-  return write_impl(entry, *params, reinterpret_cast<cudaStream_t>(stream));
+  fp8kturbov_write_params_t p;
+  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_WRITE_PARAMS_V1_SIZE, &p));
+  return write_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
 }
 
 fp8kturbov_status_t fp8kturbov_dequantize(const fp8kturbov_dequantize_params_t* params,
                                           fp8kturbov_stream_t stream) {
   const char* entry = "fp8kturbov_dequantize";
   g_last_error[0] = '\0';
-  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
-                                     sizeof(fp8kturbov_dequantize_params_t)));
-  return dequantize_impl(entry, *params, reinterpret_cast<cudaStream_t>(stream));
+  fp8kturbov_dequantize_params_t p;
+  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE, &p));
+  return dequantize_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
 }
 
 fp8kturbov_status_t fp8kturbov_paged_decode_attn(const fp8kturbov_decode_params_t* params,
                                                  fp8kturbov_stream_t stream) {
   const char* entry = "fp8kturbov_paged_decode_attn";
   g_last_error[0] = '\0';
-  FP8KTURBOV_CHECK(check_struct_size(entry, params, params ? params->struct_size : 0,
-                                     sizeof(fp8kturbov_decode_params_t)));
-  return decode_impl(entry, *params, reinterpret_cast<cudaStream_t>(stream));
+  fp8kturbov_decode_params_t p;
+  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_DECODE_PARAMS_V1_SIZE, &p));
+  return decode_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"

@@ -39,11 +39,13 @@ __global__ void __launch_bounds__(kWriteThreads) dequantize_kernel(const Dequant
   if (token >= a.num_tokens) return;
   const int64_t slot = __ldg(a.slot_mapping + token);
   float k[kGroupElems], v[kGroupElems];
-  if (slot < 0) {  // padding: a row of zeros
+  const uint64_t page = uint64_t(slot) / a.block_size;
+  const bool page_out_of_range = a.index_check.enabled() && slot >= 0 && page >= a.index_check.num_blocks;
+  if (page_out_of_range && group == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SLOT);
+  if (slot < 0 || page_out_of_range) {  // padding, or a page checked mode skips: a row of zeros
 #pragma unroll
     for (int i = 0; i < kGroupElems; ++i) k[i] = v[i] = 0.0f;
   } else {
-    const uint64_t page = uint64_t(slot) / a.block_size;
     const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
     const uint4 k_chunk = __ldg(reinterpret_cast<const uint4*>(
         a.k_cache + page * a.k_block_stride_bytes + uint64_t(offset) * a.row_elems + group * kGroupElems));

@@ -7,7 +7,21 @@
 
 #include <cuda_runtime.h>
 
+#include "fp8kturbov.h"  // fp8kturbov_index_error_t
+
 namespace fp8kturbov {
+
+// Checked mode (fp8kturbov.h): the pool capacity in pages (0 = unchecked) and the caller's device
+// word that the kernels OR fp8kturbov_index_error_t bits into.
+struct IndexCheck {
+  uint64_t num_blocks;
+  uint32_t* error_flags;
+
+  __device__ bool enabled() const { return num_blocks != 0; }
+  // A page id read from a block table (checked mode): int32, so a negative one is out of range.
+  __device__ bool page_out_of_range(int32_t page) const { return page < 0 || uint64_t(page) >= num_blocks; }
+  __device__ void report(fp8kturbov_index_error_t error) const { atomicOr(error_flags, uint32_t(error)); }
+};
 
 // Threads per CTA of the write kernel: one thread per (token, 16-element group).
 constexpr int kWriteThreads = 256;
@@ -30,6 +44,7 @@ struct WriteArgs {
   uint64_t k_block_stride_bytes;
   uint64_t v_block_stride_bytes;
   uint64_t v_data_section_bytes;
+  IndexCheck index_check;
 };
 
 // Arguments of one paged decode, after validation.
@@ -55,6 +70,7 @@ struct DecodeArgs {
   uint32_t sliding_window;
   float sparse_v_threshold;
   uint32_t v_code_copy_bytes;  // 16, 8 or 4: the widest V copy the pool address and strides allow
+  IndexCheck index_check;
 };
 
 template <int BITS>
@@ -89,6 +105,7 @@ struct DequantizeArgs {
   uint64_t k_block_stride_bytes;
   uint64_t v_block_stride_bytes;
   uint64_t v_data_section_bytes;
+  IndexCheck index_check;
 };
 
 template <int BITS>

@@ -254,6 +254,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]).
   __shared__ __align__(16) uint32_t level_pair_s[1 << (2 * BITS)];
   __shared__ float q_absmax_s[kDecodeWarps];
+  // Checked mode, where a page is out of range: per warp and stage, the rows (bit r) of the tile
+  // whose page is out of range.
+  __shared__ uint32_t masked_rows_s[kDecodeWarps][kDecodeStages];
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -278,7 +281,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // FORMAT §5: attended positions [start, seq_len); a length beyond the block table is clamped to
   // it so that no read leaves the table. This CTA takes its split's share of whole tiles.
   const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
-  const int seq_len = min(max(a.seq_lens[seq], 0), table_positions);
+  const int given_seq_len = a.seq_lens[seq];
+  const int seq_len = min(max(given_seq_len, 0), table_positions);
+  if (a.index_check.enabled() && seq_len != given_seq_len && tid == 0 && chunk == 0 && kv_head == 0 && split == 0)
+    a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);  // once per sequence
   const int start = (a.sliding_window > 0 && seq_len > int(a.sliding_window))
                         ? seq_len - int(a.sliding_window)
                         : 0;
@@ -289,6 +295,22 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int range_begin = int(split_begin > start ? split_begin : start);
   const int range_end = int(split_end < seq_len ? split_end : seq_len);
   const bool tile_in_one_page = a.block_size % kTileTokens == 0;
+
+  // Checked mode: the CTA checks the page of every position it attends, table entries
+  // [check_begin, check_end), before its loop. Each thread's first entry is loaded here, so that
+  // its latency overlaps the query's.
+  const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
+  uint32_t check_begin = 0, check_end = 0;
+  int32_t first_page = 0;
+  if (a.index_check.enabled()) {
+    if (range_begin < range_end) {
+      uint32_t offset;
+      split_position(a, uint32_t(range_begin), check_begin, offset);
+      split_position(a, uint32_t(range_end - 1), check_end, offset);
+      ++check_end;
+      if (check_begin + tid < check_end) first_page = __ldg(table + check_begin + tid);
+    }
+  }
 
   // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
   // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
@@ -319,346 +341,383 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
           a.q[uint64_t(seq) * a.q_stride + uint64_t(first_head) * HEAD_DIM + i]));
     q_s[h][i % HEAD_DIM] = __float2half_rn(v * q_gain);
   }
-  __syncthreads();
+  // Only a CTA that finds a page out of range masks tiles in its loop; the others run the loop of
+  // the unchecked kernel.
+  bool pages_masked = false;
+  if (a.index_check.enabled()) {  // CTA-uniform
+    bool out_of_range = check_begin + tid < check_end && a.index_check.page_out_of_range(first_page);
+    for (uint32_t block = check_begin + tid + kDecodeThreads; block < check_end; block += kDecodeThreads)
+      out_of_range |= a.index_check.page_out_of_range(__ldg(table + block));
+    pages_masked = __syncthreads_or(out_of_range) != 0;
+    if (pages_masked && tid == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE);
+  } else {
+    __syncthreads();
+  }
   // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e).
   const float score_to_log2 = a.score_scale * kLog2e / q_gain;
 
-  const uint32_t row_elems = a.num_kv_heads * HEAD_DIM;  // < 2^32, validated
-  const uint32_t row_code_bytes = row_elems / 8 * BITS;
-  const uint32_t row_scale_bytes = row_elems / kGroupElems;
-  const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
-  // This warp's slice of a token row in each pool (bytes).
-  const uint64_t k_slice = uint64_t(kv_head) * HEAD_DIM + slice_d0;  // < 2^32
-  const uint64_t code_slice = k_slice * BITS / 8;
-  const uint64_t scale_slice = a.v_data_section_bytes + k_slice / kGroupElems;
-  const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
+  // The tile loop and the epilogue, in two instances: with tiles masked where checked mode found a
+  // page out of range, and without, which every other CTA runs (all of them when unchecked).
+  auto decode_tiles = [&](auto mask_pages) {
+    constexpr bool kMaskPages = decltype(mask_pages)::value;
+    const uint32_t row_elems = a.num_kv_heads * HEAD_DIM;  // < 2^32, validated
+    const uint32_t row_code_bytes = row_elems / 8 * BITS;
+    const uint32_t row_scale_bytes = row_elems / kGroupElems;
+    // This warp's slice of a token row in each pool (bytes).
+    const uint64_t k_slice = uint64_t(kv_head) * HEAD_DIM + slice_d0;  // < 2^32
+    const uint64_t code_slice = k_slice * BITS / 8;
+    const uint64_t scale_slice = a.v_data_section_bytes + k_slice / kGroupElems;
+    const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
 
-  auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
+    auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
 
-  // ---- The copy pipeline: each warp streams its tiles through its own ring of stages ----------
-  const int first_tile = int(split_begin) + stream * kTileTokens;
-  const int tile_step = S::kStreams * kTileTokens;
-  // With d-slices, every warp runs the same number of iterations (a stream's last one may be
-  // fully masked) so that the score exchange can use a CTA-wide barrier.
-  const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
-                                                               tile_step * tile_step
-                                      : range_end;
-  const int num_tiles = loop_end > first_tile ? (loop_end - first_tile + tile_step - 1) / tile_step : 0;
-  uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
-  int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
+    // ---- The copy pipeline: each warp streams its tiles through its own ring of stages ----------
+    const int first_tile = int(split_begin) + stream * kTileTokens;
+    const int tile_step = S::kStreams * kTileTokens;
+    // With d-slices, every warp runs the same number of iterations (a stream's last one may be
+    // fully masked) so that the score exchange can use a CTA-wide barrier.
+    const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
+                                                                 tile_step * tile_step
+                                        : range_end;
+    const int num_tiles = loop_end > first_tile ? (loop_end - first_tile + tile_step - 1) / tile_step : 0;
+    uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
+    int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
 
-  // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
-  // tile 32·b + j of this warp's stream (batch b) in a register, and the next batch is loaded 32
-  // tiles before it is needed. Otherwise the page ids of tile k's rows travel through the copy
-  // pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the data. Rows
-  // and tiles outside the range get page id 0 and are never read.
-  auto load_page_batch = [&](int batch) -> int32_t {
-    const int k = batch * 32 + lane;
-    const int tile = first_tile + k * tile_step;
-    if (k >= num_tiles || tile >= range_end || tile + kTileTokens <= range_begin) return 0;
-    uint32_t block, offset;
-    split_position(a, uint32_t(tile), block, offset);
-    return __ldg(table + block);
-  };
-  int32_t page_batch = 0, next_page_batch = 0;
-  if (tile_in_one_page) {
-    page_batch = load_page_batch(0);
-    next_page_batch = load_page_batch(1);
-  }
-  auto copy_page_ids = [&](int k) {
-    if (tile_in_one_page || lane >= kTileTokens) return;
-    const int tile = first_tile + k * tile_step;
-    const bool valid = in_range(tile + lane);
-    uint32_t block, offset;
-    split_position(a, uint32_t(tile + lane), block, offset);
-    copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
-  };
-  // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
-  // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
-  // the fragment reads below hit all 32 banks.
-  auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
-  // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
-  // code path: the common one computes each pool's tile base once and each row with one IMAD.
-  // Tiles are copied in increasing k, which the page-id batches rely on.
-  auto copy_tile = [&](int k, auto one_page) {
-    constexpr bool kOnePage = decltype(one_page)::value;
-    const int tile = first_tile + k * tile_step;
-    const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
-    uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
-    uint32_t block, offset0;
-    split_position(a, uint32_t(tile), block, offset0);
-    uint64_t page0 = 0;
-    if constexpr (kOnePage) {
-      if (k % 32 == 0 && k > 0) {
-        page_batch = next_page_batch;
-        next_page_batch = load_page_batch(k / 32 + 1);
+    // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
+    // tile 32·b + j of this warp's stream (batch b) in a register, and the next batch is loaded 32
+    // tiles before it is needed. Otherwise the page ids of tile k's rows travel through the copy
+    // pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the data. Rows
+    // and tiles outside the range get page id 0 and are never read. Where checked mode masks pages,
+    // a page id out of range becomes -1, which masks its tile.
+    auto load_page_batch = [&](int batch) -> int32_t {
+      const int k = batch * 32 + lane;
+      const int tile = first_tile + k * tile_step;
+      int32_t page = 0;
+      if (k < num_tiles && tile < range_end && tile + kTileTokens > range_begin) {
+        uint32_t block, offset;
+        split_position(a, uint32_t(tile), block, offset);
+        page = __ldg(table + block);
       }
-      page0 = uint32_t(__shfl_sync(0xffffffffu, page_batch, k % 32));
-    }
-    // Rows of the tile in a pool of the given page stride and row size, from byte `col` of the
-    // row (row sizes are < 2^25: num_kv_heads <= 65535, head_dim <= 512).
-    auto tile_rows = [&](const uint8_t* pool, uint64_t page_stride, uint32_t row_bytes, uint64_t col) {
-      const uint8_t* tile_base = pool + page0 * page_stride + uint64_t(offset0) * row_bytes + col;
-      return [=](int row) -> const uint8_t* {
-        if constexpr (kOnePage) return tile_base + uint64_t(uint32_t(row) * row_bytes);
-        uint32_t row_block, offset;
-        split_position(a, uint32_t(tile + row), row_block, offset);
-        return pool + uint64_t(uint32_t(pages[row])) * page_stride + uint64_t(offset) * row_bytes + col;
-      };
+      if (kMaskPages && a.index_check.page_out_of_range(page)) page = -1;
+      return page;
     };
-    const int valid_begin = range_begin - tile;  // valid rows: [valid_begin, valid_end)
-    const int valid_end = range_end - tile;
-    auto valid_row = [&](int row) { return row >= valid_begin && row < valid_end; };
-    constexpr int kKRowChunks = S::kKRowBytes / 16;
-    const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
-#pragma unroll
-    for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
-      const int id = lane + 32 * j;
-      const int row = id / kKRowChunks;
-      const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
-      const bool valid = valid_row(row);
-      const uint8_t* src = k_rows(row);
-      copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
+    int32_t page_batch = 0, next_page_batch = 0;
+    if (tile_in_one_page) {
+      page_batch = load_page_batch(0);
+      next_page_batch = load_page_batch(1);
     }
-    constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
-    const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
-#pragma unroll
-    for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
-      const int id = lane + 32 * j;
-      if (id < kTileTokens * kCodeRowCopies) {
-        const int row = id / kCodeRowCopies;
-        const int part = id % kCodeRowCopies;
-        const bool valid = valid_row(row);
-        const uint8_t* src = code_rows(row) + CODE_COPY * part;
-        copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
-                              valid ? src : a.v_cache, valid);
-      }
-    }
-    // Scales: 4 or 8 bytes per row, in 4-byte copies.
-    constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
-    if (lane < kTileTokens * kScaleRowCopies) {
-      const int row = lane / kScaleRowCopies;
-      const int part = lane % kScaleRowCopies;
-      const bool valid = valid_row(row);
-      const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
-      copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
-                    valid ? src : a.v_cache, valid);
-    }
-  };
-
-  auto copy_tile_any = [&](int k) {
-    if (tile_in_one_page)
-      copy_tile(k, std::true_type{});
-    else
-      copy_tile(k, std::false_type{});
-  };
-
-  // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
-  float run_max[2] = {-INFINITY, -INFINITY};
-  float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
-  float acc[S::kMTiles][4];
-#pragma unroll
-  for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-
-  // Prologue: the page ids of the first kDecodeStages - 1 tiles, then those tiles, each copy group
-  // also fetching the page ids that the copy kDecodeStages - 1 tiles later will need.
-  for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
-  copy_async_commit();
-  copy_async_wait<0>();
-  __syncwarp();
-  for (int k = 0; k < kDecodeStages - 1; ++k) {
-    __syncwarp();  // every lane has read page slot k - 1 before it is refilled
-    if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1);
-    if (k < num_tiles) copy_tile_any(k);
-    copy_async_commit();
-  }
-
-  const int k_row_token[2] = {g, g + 8};
-  const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-  int parity = 0;
-  for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
-    // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
-    // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
-    copy_async_wait<kDecodeStages - 2>();
-    __syncwarp();
-    if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
-    if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
-    copy_async_commit();
-
-    const int tile = first_tile + k * tile_step;
-    const uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
-    // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
-    uint4 k_bytes[2][S::kKChunks];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = k_row_token[half];
-#pragma unroll
-      for (int c = 0; c < S::kKChunks; ++c)
-        k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, t + 4 * c));
-    }
-    // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
-    float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int j = 0; j < S::kKSteps; ++j) {
-      const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
-      const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
-      const uint32_t a_frag[4] = {e4m3x2_to_half2_bits(k_lo & 0xFFFF), e4m3x2_to_half2_bits(k_hi & 0xFFFF),
-                                  e4m3x2_to_half2_bits(k_lo >> 16), e4m3x2_to_half2_bits(k_hi >> 16)};
-      const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
-      mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
-    }
-    float s[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
-    if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
-      score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
-      __syncthreads();
-      float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-      for (int w = 0; w < S::kSlices; ++w) {
-        const float4 p = score_s[parity][stream * S::kSlices + w][lane];
-        total.x += p.x; total.y += p.y; total.z += p.z; total.w += p.w;
-      }
-      s[0] = total.x; s[1] = total.y; s[2] = total.z; s[3] = total.w;
-    }
-
-    // Online softmax per head column; masked tokens get weight 0. A NaN score is not a maximum
-    // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
-    const bool row_valid[2] = {in_range(tile + g), in_range(tile + g + 8)};
-    float p[4];
-    float alpha[2];
-    bool all_small = true;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const float s0 = row_valid[0] ? s[c] * score_to_log2 : -INFINITY;
-      const float s1 = row_valid[1] ? s[2 + c] * score_to_log2 : -INFINITY;
-      float tile_max = fmaxf(s0, s1);
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-      const float new_max = fmaxf(run_max[c], tile_max);
-      alpha[c] = new_max == -INFINITY ? 1.0f : exp2f(run_max[c] - new_max);
-      p[c] = s0 == -INFINITY ? 0.0f : exp2f(s0 - new_max);
-      p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
-      run_max[c] = new_max;
-      // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
-      if (2 * t + c < num_heads) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
-    }
-    const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
-    const uint32_t p_hi = half2_bits(p[2], p[3]);  // token g+8
-    {
-      const __half2 lo = *reinterpret_cast<const __half2*>(&p_lo);
-      const __half2 hi = *reinterpret_cast<const __half2*>(&p_hi);
-      // The denominator sums the same fp16-rounded weights that multiply V.
-      run_denom[0] = run_denom[0] * alpha[0] + __low2float(lo) + __low2float(hi);
-      run_denom[1] = run_denom[1] * alpha[1] + __high2float(lo) + __high2float(hi);
-    }
-    // Once the maxima settle, alpha is exactly 1: skip the rescale when no lane needs it.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-      for (int i = 0; i < S::kMTiles; ++i) {
-        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-      }
-    }
-    const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
-    if (!skip) {
-      // P^T as the B operand: tokens (2t, 2t+1) and (2t+8, 2t+9) of head g.
-      const uint32_t pb0 = transpose_8x8(p_lo);
-      const uint32_t pb1 = transpose_8x8(p_hi);
-      // This thread's codes and scales of tokens 2t, 2t+1, 2t+8, 2t+9; scales as fp16 pairs of
-      // tokens (2t, 2t+1) and (2t+8, 2t+9).
-      uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
-      uint32_t scale_bytes[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int row = v_row_token[j];
-        read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
-        scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
-                               g * S::kThreadDims / kGroupElems];
-      }
-      const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
-                                      e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
-      // Pair-index words of tokens (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
-      using P = CodePairs<BITS>;
-      constexpr int kChunks = (S::kThreadDims + P::kCodesPerChunk - 1) / P::kCodesPerChunk;
-      uint32_t pairs[2][kChunks][2];
-#pragma unroll
-      for (int pair = 0; pair < 2; ++pair) {
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c)
-          pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
-      }
-      const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
-#pragma unroll
-      for (int i = 0; i < S::kMTiles; ++i) {
-        uint32_t a_frag[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {  // (d 2i, tokens 2t..), (d 2i+1, ..), (d 2i, 2t+8..), (d 2i+1, ..)
-          const int e = 2 * i + (r & 1);
-          const int pair = r >> 1;
-          const int local = e % P::kCodesPerChunk;
-          const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2);
-          const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
-          const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
-          a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
+    auto copy_page_ids = [&](int k) {
+      if (tile_in_one_page || lane >= kTileTokens) return;
+      const int tile = first_tile + k * tile_step;
+      const bool valid = in_range(tile + lane);
+      uint32_t block, offset;
+      split_position(a, uint32_t(tile + lane), block, offset);
+      copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
+    };
+    // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
+    // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
+    // the fragment reads below hit all 32 banks.
+    auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
+    // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
+    // code path: the common one computes each pool's tile base once and each row with one IMAD.
+    // Tiles are copied in increasing k, which the page-id batches rely on.
+    auto copy_tile = [&](int k, auto one_page) {
+      constexpr bool kOnePage = decltype(one_page)::value;
+      const int tile = first_tile + k * tile_step;
+      const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
+      uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
+      uint32_t block, offset0;
+      split_position(a, uint32_t(tile), block, offset0);
+      uint64_t page0 = 0;
+      uint32_t masked_rows = 0;  // rows (bit r) whose page is out of range (checked mode)
+      if constexpr (kOnePage) {
+        if (k % 32 == 0 && k > 0) {
+          page_batch = next_page_batch;
+          next_page_batch = load_page_batch(k / 32 + 1);
         }
-        mma_16x8x16(acc[i], a_frag, pb0, pb1);
+        const int32_t page = __shfl_sync(0xffffffffu, page_batch, k % 32);
+        page0 = uint32_t(page);
+        if (kMaskPages && page < 0) masked_rows = (1u << kTileTokens) - 1;
+      } else if (kMaskPages) {
+        masked_rows = __ballot_sync(0xffffffffu, lane < kTileTokens && a.index_check.page_out_of_range(pages[lane]));
+      }
+      if (kMaskPages && lane == 0) masked_rows_s[warp][k % kDecodeStages] = masked_rows;
+      // Rows of the tile in a pool of the given page stride and row size, from byte `col` of the
+      // row (row sizes are < 2^25: num_kv_heads <= 65535, head_dim <= 512).
+      auto tile_rows = [&](const uint8_t* pool, uint64_t page_stride, uint32_t row_bytes, uint64_t col) {
+        const uint8_t* tile_base = pool + page0 * page_stride + uint64_t(offset0) * row_bytes + col;
+        return [=](int row) -> const uint8_t* {
+          if constexpr (kOnePage) return tile_base + uint64_t(uint32_t(row) * row_bytes);
+          uint32_t row_block, offset;
+          split_position(a, uint32_t(tile + row), row_block, offset);
+          return pool + uint64_t(uint32_t(pages[row])) * page_stride + uint64_t(offset) * row_bytes + col;
+        };
+      };
+      const int valid_begin = range_begin - tile;  // valid rows: [valid_begin, valid_end), not masked
+      const int valid_end = kMaskPages && kOnePage && masked_rows != 0 ? valid_begin : range_end - tile;
+      auto valid_row = [&](int row) {
+        return row >= valid_begin && row < valid_end && (!kMaskPages || kOnePage || !((masked_rows >> row) & 1));
+      };
+      constexpr int kKRowChunks = S::kKRowBytes / 16;
+      const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
+  #pragma unroll
+      for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
+        const int id = lane + 32 * j;
+        const int row = id / kKRowChunks;
+        const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
+        const bool valid = valid_row(row);
+        const uint8_t* src = k_rows(row);
+        copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
+      }
+      constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
+      const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
+  #pragma unroll
+      for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
+        const int id = lane + 32 * j;
+        if (id < kTileTokens * kCodeRowCopies) {
+          const int row = id / kCodeRowCopies;
+          const int part = id % kCodeRowCopies;
+          const bool valid = valid_row(row);
+          const uint8_t* src = code_rows(row) + CODE_COPY * part;
+          copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
+                                valid ? src : a.v_cache, valid);
+        }
+      }
+      // Scales: 4 or 8 bytes per row, in 4-byte copies.
+      constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
+      if (lane < kTileTokens * kScaleRowCopies) {
+        const int row = lane / kScaleRowCopies;
+        const int part = lane % kScaleRowCopies;
+        const bool valid = valid_row(row);
+        const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
+        copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
+                      valid ? src : a.v_cache, valid);
+      }
+    };
+
+    auto copy_tile_any = [&](int k) {
+      if (tile_in_one_page)
+        copy_tile(k, std::true_type{});
+      else
+        copy_tile(k, std::false_type{});
+    };
+
+    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
+    float run_max[2] = {-INFINITY, -INFINITY};
+    float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
+    float acc[S::kMTiles][4];
+  #pragma unroll
+    for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    // Prologue: the page ids of the first kDecodeStages - 1 tiles, then those tiles, each copy group
+    // also fetching the page ids that the copy kDecodeStages - 1 tiles later will need.
+    for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
+    copy_async_commit();
+    copy_async_wait<0>();
+    __syncwarp();
+    for (int k = 0; k < kDecodeStages - 1; ++k) {
+      __syncwarp();  // every lane has read page slot k - 1 before it is refilled
+      if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1);
+      if (k < num_tiles) copy_tile_any(k);
+      copy_async_commit();
+    }
+
+    const int k_row_token[2] = {g, g + 8};
+    const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+    int parity = 0;
+    for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
+      // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
+      // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
+      copy_async_wait<kDecodeStages - 2>();
+      __syncwarp();
+      if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
+      if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
+      copy_async_commit();
+
+      const int tile = first_tile + k * tile_step;
+      const uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
+      // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
+      uint4 k_bytes[2][S::kKChunks];
+  #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = k_row_token[half];
+  #pragma unroll
+        for (int c = 0; c < S::kKChunks; ++c)
+          k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, t + 4 * c));
+      }
+      // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
+      float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  #pragma unroll
+      for (int j = 0; j < S::kKSteps; ++j) {
+        const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
+        const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
+        const uint32_t a_frag[4] = {e4m3x2_to_half2_bits(k_lo & 0xFFFF), e4m3x2_to_half2_bits(k_hi & 0xFFFF),
+                                    e4m3x2_to_half2_bits(k_lo >> 16), e4m3x2_to_half2_bits(k_hi >> 16)};
+        const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
+        mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
+      }
+      float s[4];
+  #pragma unroll
+      for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
+      if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
+        score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
+        __syncthreads();
+        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  #pragma unroll
+        for (int w = 0; w < S::kSlices; ++w) {
+          const float4 p = score_s[parity][stream * S::kSlices + w][lane];
+          total.x += p.x; total.y += p.y; total.z += p.z; total.w += p.w;
+        }
+        s[0] = total.x; s[1] = total.y; s[2] = total.z; s[3] = total.w;
+      }
+
+      // Online softmax per head column; masked tokens get weight 0. A NaN score is not a maximum
+      // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
+      bool row_valid[2] = {in_range(tile + g), in_range(tile + g + 8)};
+      if (kMaskPages) {  // rows of out-of-range pages take no part (copied as zeros)
+        const uint32_t masked = masked_rows_s[warp][k % kDecodeStages];
+        row_valid[0] = row_valid[0] && !((masked >> g) & 1);
+        row_valid[1] = row_valid[1] && !((masked >> (g + 8)) & 1);
+      }
+      float p[4];
+      float alpha[2];
+      bool all_small = true;
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float s0 = row_valid[0] ? s[c] * score_to_log2 : -INFINITY;
+        const float s1 = row_valid[1] ? s[2 + c] * score_to_log2 : -INFINITY;
+        float tile_max = fmaxf(s0, s1);
+  #pragma unroll
+        for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+        const float new_max = fmaxf(run_max[c], tile_max);
+        alpha[c] = new_max == -INFINITY ? 1.0f : exp2f(run_max[c] - new_max);
+        p[c] = s0 == -INFINITY ? 0.0f : exp2f(s0 - new_max);
+        p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
+        run_max[c] = new_max;
+        // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
+        if (2 * t + c < num_heads) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
+      }
+      const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
+      const uint32_t p_hi = half2_bits(p[2], p[3]);  // token g+8
+      {
+        const __half2 lo = *reinterpret_cast<const __half2*>(&p_lo);
+        const __half2 hi = *reinterpret_cast<const __half2*>(&p_hi);
+        // The denominator sums the same fp16-rounded weights that multiply V.
+        run_denom[0] = run_denom[0] * alpha[0] + __low2float(lo) + __low2float(hi);
+        run_denom[1] = run_denom[1] * alpha[1] + __high2float(lo) + __high2float(hi);
+      }
+      // Once the maxima settle, alpha is exactly 1: skip the rescale when no lane needs it.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+  #pragma unroll
+        for (int i = 0; i < S::kMTiles; ++i) {
+          acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+        }
+      }
+      const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
+      if (!skip) {
+        // P^T as the B operand: tokens (2t, 2t+1) and (2t+8, 2t+9) of head g.
+        const uint32_t pb0 = transpose_8x8(p_lo);
+        const uint32_t pb1 = transpose_8x8(p_hi);
+        // This thread's codes and scales of tokens 2t, 2t+1, 2t+8, 2t+9; scales as fp16 pairs of
+        // tokens (2t, 2t+1) and (2t+8, 2t+9).
+        uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
+        uint32_t scale_bytes[4];
+  #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = v_row_token[j];
+          read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
+          scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
+                                 g * S::kThreadDims / kGroupElems];
+        }
+        const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
+                                        e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
+        // Pair-index words of tokens (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
+        using P = CodePairs<BITS>;
+        constexpr int kChunks = (S::kThreadDims + P::kCodesPerChunk - 1) / P::kCodesPerChunk;
+        uint32_t pairs[2][kChunks][2];
+  #pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+  #pragma unroll
+          for (int c = 0; c < kChunks; ++c)
+            pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
+        }
+        const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
+  #pragma unroll
+        for (int i = 0; i < S::kMTiles; ++i) {
+          uint32_t a_frag[4];
+  #pragma unroll
+          for (int r = 0; r < 4; ++r) {  // (d 2i, tokens 2t..), (d 2i+1, ..), (d 2i, 2t+8..), (d 2i+1, ..)
+            const int e = 2 * i + (r & 1);
+            const int pair = r >> 1;
+            const int local = e % P::kCodesPerChunk;
+            const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2);
+            const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
+            const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
+            a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
+          }
+          mma_16x8x16(acc[i], a_frag, pb0, pb1);
+        }
       }
     }
-  }
-  // The copies still in flight are of tiles past the end: drain them before the ring is reused.
-  copy_async_wait<0>();
-  __syncthreads();
+    // The copies still in flight are of tiles past the end: drain them before the ring is reused.
+    copy_async_wait<0>();
+    __syncthreads();
 
-  // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
-  }
-  if (slice == 0 && g == 0) {
-#pragma unroll
+    // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
+  #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      max_s[stream][2 * t + c] = run_max[c];
-      denom_s[stream][2 * t + c] = run_denom[c];
+  #pragma unroll
+      for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
     }
-  }
-#pragma unroll
-  for (int i = 0; i < S::kMTiles; ++i) {
-    const int d = thread_d0 + 2 * i;
-    o_s[stream][2 * t][d] = acc[i][0];
-    o_s[stream][2 * t + 1][d] = acc[i][1];
-    o_s[stream][2 * t][d + 1] = acc[i][2];
-    o_s[stream][2 * t + 1][d + 1] = acc[i][3];
-  }
-  __syncthreads();
-
-  // Merge the streams (fixed order) and write the output or this split's partial.
-  for (int i = tid; i < num_heads * HEAD_DIM; i += kDecodeThreads) {
-    const int h = i / HEAD_DIM;
-    const int d = i % HEAD_DIM;
-    float m = -INFINITY;
-#pragma unroll
-    for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
-    float o = 0.0f, l = 0.0f;
-#pragma unroll
-    for (int st = 0; st < S::kStreams; ++st) {
-      // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
-      const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
-      o += w * o_s[st][h][d];
-      l += w * denom_s[st][h];
-    }
-    const uint64_t row = uint64_t(seq) * a.num_q_heads + first_head + h;
-    if (plan.num_splits == 1) {
-      a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
-    } else {
-      float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
-      part[d] = o;
-      if (d == 0) {
-        part[HEAD_DIM] = m;
-        part[HEAD_DIM + 1] = l;
+    if (slice == 0 && g == 0) {
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        max_s[stream][2 * t + c] = run_max[c];
+        denom_s[stream][2 * t + c] = run_denom[c];
       }
     }
-  }
+  #pragma unroll
+    for (int i = 0; i < S::kMTiles; ++i) {
+      const int d = thread_d0 + 2 * i;
+      o_s[stream][2 * t][d] = acc[i][0];
+      o_s[stream][2 * t + 1][d] = acc[i][1];
+      o_s[stream][2 * t][d + 1] = acc[i][2];
+      o_s[stream][2 * t + 1][d + 1] = acc[i][3];
+    }
+    __syncthreads();
+
+    // Merge the streams (fixed order) and write the output or this split's partial.
+    for (int i = tid; i < num_heads * HEAD_DIM; i += kDecodeThreads) {
+      const int h = i / HEAD_DIM;
+      const int d = i % HEAD_DIM;
+      float m = -INFINITY;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
+      float o = 0.0f, l = 0.0f;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) {
+        // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+        const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+        o += w * o_s[st][h][d];
+        l += w * denom_s[st][h];
+      }
+      const uint64_t row = uint64_t(seq) * a.num_q_heads + first_head + h;
+      if (plan.num_splits == 1) {
+        a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
+      } else {
+        float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
+        part[d] = o;
+        if (d == 0) {
+          part[HEAD_DIM] = m;
+          part[HEAD_DIM + 1] = l;
+        }
+      }
+    }
+  };
+  if (pages_masked)
+    decode_tiles(std::true_type{});
+  else
+    decode_tiles(std::false_type{});
 }
 
 // Block-wide reductions of the merge kernel (THREADS a multiple of 32, <= 1024); every thread gets

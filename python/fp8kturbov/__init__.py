@@ -6,13 +6,17 @@ strides; the tensor-level ``write_kv`` / ``paged_decode`` / ``dequantize_kv`` ta
 ``__cuda_array_interface__`` or DLPack arrays and a ``KVCache``; the NumPy reference of the byte
 format is ``fp8kturbov.reference`` (needs ``ml-dtypes``). ``calibrate_k_scale``,
 ``bytes_per_token``, ``tokens_that_fit`` and ``capacity_table`` (from ``fp8kturbov.planning``)
-size an engine's cache.
+size an engine's cache. Checked mode (``KVCache(checked=True)``, or ``num_blocks`` and
+``error_flags`` on the raw launchers) makes the kernels skip and report out-of-range slots and page
+ids: ``ErrorWord``, ``check_errors`` and ``CacheIndexError`` (from ``fp8kturbov.checked``).
 """
 
 from ._errors import (
     BadStructSizeError,
+    CacheIndexError,
     CudaError,
     Fp8kturbovError,
+    IndexErrorFlags,
     InvalidValueError,
     MisalignedError,
     NotSupportedError,
@@ -21,6 +25,7 @@ from ._errors import (
 )
 from ._lib import ABI_VERSION, library_path, version
 from .arrays import ArgumentError, DeviceBuffer, KVCache, dequantize_kv, paged_decode, write_kv
+from .checked import ErrorWord, check_errors
 from .layout import CacheLayout
 from .planning import (CapacityPlan, bytes_per_token, calibrate_k_scale, capacity_table,
                        tokens_that_fit)
@@ -38,12 +43,13 @@ from .ops import (
     stream_handle,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "ABI_VERSION", "ArgumentError", "BadStructSizeError", "CacheLayout", "CudaError",
-    "DeviceBuffer", "Fp8kturbovError", "InvalidValueError", "KVCache", "MisalignedError",
-    "NotSupportedError", "NullPointerError", "Status", "dequantize", "dequantize_kv",
+    "ABI_VERSION", "ArgumentError", "BadStructSizeError", "CacheIndexError", "CacheLayout",
+    "CudaError", "DeviceBuffer", "ErrorWord", "Fp8kturbovError", "IndexErrorFlags",
+    "InvalidValueError", "KVCache", "MisalignedError", "NotSupportedError", "NullPointerError",
+    "Status", "check_errors", "dequantize", "dequantize_kv",
     "library_path", "paged_decode", "paged_decode_attn", "paged_decode_attn_fp8k_turbo2v",
     "paged_decode_attn_fp8k_turbo3v", "paged_decode_attn_fp8k_turbo4v",
     "paged_decode_workspace_bytes", "reshape_and_cache",

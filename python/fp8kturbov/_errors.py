@@ -67,3 +67,43 @@ def error_for(status: int, message: str) -> Fp8kturbovError:
     except ValueError:
         return Fp8kturbovError(Status.CUDA_ERROR, f"unknown status {status}: {message}")
     return _EXCEPTIONS.get(known, Fp8kturbovError)(known, message)
+
+
+class IndexErrorFlags(enum.IntFlag):
+    """Mirror of ``fp8kturbov_index_error_t``: the bits checked mode ORs into the caller's error
+    word (values are append-only)."""
+
+    SLOT = 1
+    BLOCK_TABLE = 2
+    SEQ_LEN = 4
+
+
+# What each flag means and what the kernels did about it (the header's comments).
+_INDEX_ERROR_MEANINGS: dict[IndexErrorFlags, str] = {
+    IndexErrorFlags.SLOT: "a slot's page (slot / block_size) was >= num_blocks, so the write "
+                          "skipped that token and the dequantize gave it rows of zeros",
+    IndexErrorFlags.BLOCK_TABLE: "a block-table entry of an attended position was < 0 or >= "
+                                 "num_blocks, so the decode left out that page's positions "
+                                 "(neither read nor counted in the softmax)",
+    IndexErrorFlags.SEQ_LEN: "a seq_len was < 0 or > max_blocks_per_seq * block_size, so the "
+                             "decode clamped it to that range",
+}
+_KNOWN_INDEX_ERRORS = sum(_INDEX_ERROR_MEANINGS)
+
+
+class CacheIndexError(RuntimeError):
+    """Checked mode found indices outside the pools since the error word was last zeroed.
+
+    ``flags`` (:class:`IndexErrorFlags`) says which kinds; the message names each with what the
+    kernels did: the out-of-range work was skipped or clamped, never read or written outside the
+    pools. Bits this package does not know (from a newer library) are shown in hex."""
+
+    def __init__(self, flags: int) -> None:
+        self.flags = IndexErrorFlags(flags)
+        found = [f"{flag.name}: {meaning}" for flag, meaning in _INDEX_ERROR_MEANINGS.items()
+                 if flag in self.flags]
+        unknown = int(self.flags) & ~_KNOWN_INDEX_ERRORS
+        if unknown:
+            found.append(f"unknown bits {unknown:#x}")
+        super().__init__(f"cache index out of range (error flags {int(self.flags):#x}): "
+                         + "; ".join(found))

@@ -49,6 +49,8 @@ class WriteParams(ctypes.Structure):
         ("k_block_stride_bytes", _u64),
         ("v_block_stride_bytes", _u64),
         ("v_data_section_bytes", _u64),
+        ("num_blocks", _u64),
+        ("error_flags", _ptr),
     ]
 
 
@@ -80,6 +82,8 @@ class DecodeParams(ctypes.Structure):
         ("sparse_v_threshold", _f32),
         ("workspace", _ptr),
         ("workspace_bytes", _u64),
+        ("num_blocks", _u64),
+        ("error_flags", _ptr),
     ]
 
 
@@ -104,6 +108,8 @@ class DequantizeParams(ctypes.Structure):
         ("k_block_stride_bytes", _u64),
         ("v_block_stride_bytes", _u64),
         ("v_data_section_bytes", _u64),
+        ("num_blocks", _u64),
+        ("error_flags", _ptr),
     ]
 
 

@@ -4,7 +4,9 @@
 dtype, shape, strides and device (an :class:`ArgumentError` names the argument, what was found and
 what was expected), and call the generic launchers ``ops.reshape_and_cache`` /
 ``ops.paged_decode_attn`` / ``ops.dequantize``.
-:class:`KVCache` holds one layer's K and V pools with their :class:`CacheLayout` and ``k_scale``.
+:class:`KVCache` holds one layer's K and V pools with their :class:`CacheLayout` and ``k_scale``,
+and in checked mode the error word its launches report out-of-range indices in
+(:mod:`fp8kturbov.checked`).
 
 Arrays are recognised in this order:
 
@@ -52,13 +54,16 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import ops
 from ._errors import CudaError, InvalidValueError, Status
 from .layout import CacheLayout
+
+if TYPE_CHECKING:
+    from .checked import ErrorWord
 
 __all__ = ["ArgumentError", "DeviceBuffer", "KVCache", "dequantize_kv", "paged_decode", "write_kv"]
 
@@ -528,22 +533,33 @@ class KVCache:
     ("torch" or "cupy" for such pools, else "cuda"). Pool sizes are checked in BYTES against
     ``layout.k_pool_bytes`` / ``layout.v_pool_bytes`` (larger pools are accepted; the pages past
     ``num_blocks`` are unused).
+
+    ``checked=True`` turns on checked mode (see :mod:`fp8kturbov.checked`): the cache owns an
+    :class:`~fp8kturbov.ErrorWord` on its device (``error_word``; None when unchecked), and
+    :func:`write_kv`, :func:`paged_decode` and :func:`dequantize_kv` on it pass
+    ``num_blocks = layout.num_blocks`` and that word, so that slots and block-table entries
+    outside the first ``layout.num_blocks`` pages are skipped instead of reaching past them.
+    :meth:`check_errors` raises :class:`~fp8kturbov.CacheIndexError` for what was skipped; the
+    launches never wait for the device, :meth:`check_errors` waits for the stream it is given.
     """
 
     k_pool: Any = field(repr=False)
     v_pool: Any = field(repr=False)
     layout: CacheLayout
     k_scale: float
+    checked: bool = False
     backend: str = field(init=False)
     device: int | None = field(init=False)
     k_ptr: int = field(init=False, repr=False)
     v_ptr: int = field(init=False, repr=False)
     owns_memory: bool = field(init=False, default=False)
     closed: bool = field(init=False, default=False)
+    error_word: ErrorWord | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_layout(self.layout)
         self.k_scale = _positive_finite("k_scale", self.k_scale)
+        _check_checked_mode(self.checked, self.layout)
         pools = (_describe_now("k_pool", self.k_pool), _describe_now("v_pool", self.v_pool))
         for pool, needed in zip(pools, (self.layout.k_pool_bytes, self.layout.v_pool_bytes)):
             _check_array(pool, "uint8", (None,), "[bytes] (1-D)")
@@ -554,26 +570,33 @@ class KVCache:
         self.device = _common_device(pools, None, "")
         self.k_ptr, self.v_ptr = pools[0].ptr, pools[1].ptr
         self.backend = pools[0].kind if pools[0].kind in ("torch", "cupy") else "cuda"
+        if self.checked:
+            from .checked import ErrorWord  # imported here: fp8kturbov.checked imports this module
+
+            self.error_word = ErrorWord(self.device or 0)
 
     @classmethod
-    def wrap(cls, k_pool: Any, v_pool: Any, layout: CacheLayout, k_scale: float) -> KVCache:
+    def wrap(cls, k_pool: Any, v_pool: Any, layout: CacheLayout, k_scale: float, *,
+             checked: bool = False) -> KVCache:
         """A cache over pools the caller allocated and keeps owning (any array kind of the
-        module docstring; 1-D uint8, contiguous, writable, on one device)."""
-        return cls(k_pool, v_pool, layout, k_scale)
+        module docstring; 1-D uint8, contiguous, writable, on one device). ``checked``: see the
+        class docstring."""
+        return cls(k_pool, v_pool, layout, k_scale, checked)
 
     @classmethod
     def allocate(cls, layout: CacheLayout, k_scale: float, *, backend: str = "torch",
-                 device: int = 0) -> KVCache:
+                 device: int = 0, checked: bool = False) -> KVCache:
         """A cache with new, uninitialised pools from ``backend`` ("torch", "cupy", or "cuda" for
         ``cuMemAlloc`` through cuda.bindings) on CUDA device ``device``. The cache owns them:
         :meth:`close` (or the end of a ``with`` block) releases them; "cuda" memory is also freed
-        when the pools are garbage-collected."""
+        when the pools are garbage-collected. ``checked``: see the class docstring."""
         _check_backend(backend)
         _check_layout(layout)
         _positive_finite("k_scale", k_scale)
+        _check_checked_mode(checked, layout)
         k_pool = _allocate(backend, (layout.k_pool_bytes,), "uint8", device)
         v_pool = _allocate(backend, (layout.v_pool_bytes,), "uint8", device)
-        cache = cls(k_pool, v_pool, layout, k_scale)
+        cache = cls(k_pool, v_pool, layout, k_scale, checked)
         cache.owns_memory = True
         return cache
 
@@ -592,14 +615,29 @@ class KVCache:
                 k_scale=self.k_scale, **self._layout_args())
         return _allocate(self.backend, (nbytes,), "uint8", self.device or 0)
 
+    def check_errors(self, stream: Any = None) -> None:
+        """Raise :class:`~fp8kturbov.CacheIndexError` if the launches on this cache queued on
+        ``stream`` so far met slots or block-table entries outside ``layout.num_blocks`` pages
+        (or seq_lens out of range), after zeroing the error word for the next ones
+        (:meth:`ErrorWord.check <fp8kturbov.ErrorWord.check>`). The host waits for ``stream``
+        (any kind the launches take). An :class:`ArgumentError` if the cache is not checked."""
+        if _open(self).error_word is None:
+            raise ArgumentError("cache", "a KVCache built with checked=False",
+                                "one built with checked=True")
+        self.error_word.check(stream)
+
     def close(self) -> None:
-        """Release the pools: owned "cuda" memory is freed, torch/CuPy memory goes back to its
-        allocator once unreferenced, wrapped memory stays the caller's. Call it once the work on
-        the pools is done. Idempotent; the cache is unusable afterwards."""
+        """Release the pools and the error word: owned "cuda" memory and the error word are
+        freed, torch/CuPy memory goes back to its allocator once unreferenced, wrapped memory
+        stays the caller's. Call it once the work on the pools is done. Idempotent; the cache
+        is unusable afterwards."""
         if self.owns_memory:
             for pool in (self.k_pool, self.v_pool):
                 if isinstance(pool, DeviceBuffer):
                     pool.close()
+        if self.error_word is not None:
+            self.error_word.close()
+            self.error_word = None
         self.k_pool = self.v_pool = None
         self.k_ptr = self.v_ptr = 0
         self.closed = True
@@ -619,10 +657,24 @@ class KVCache:
                     v_block_stride_bytes=layout.v_block_stride_bytes,
                     v_data_section_bytes=layout.v_data_section_bytes)
 
+    def _checked_args(self) -> dict[str, int]:
+        """The launchers' checked-mode arguments: pages per pool and the error word's device
+        address, or zeros (unchecked)."""
+        if self.error_word is None:
+            return dict(num_blocks=0, error_flags=0)
+        return dict(num_blocks=self.layout.num_blocks, error_flags=self.error_word.ptr)
+
 
 def _check_layout(layout: Any) -> None:
     if not isinstance(layout, CacheLayout):
         raise TypeError(f"layout: {type(layout).__name__}, expected fp8kturbov.CacheLayout")
+
+
+def _check_checked_mode(checked: Any, layout: CacheLayout) -> None:
+    if not isinstance(checked, bool):
+        raise TypeError(f"checked: {type(checked).__name__}, expected bool")
+    if checked and layout.num_blocks == 0:  # to the library, num_blocks = 0 means unchecked
+        raise ArgumentError("layout", "num_blocks = 0", "at least one page with checked=True")
 
 
 def _open(cache: Any) -> KVCache:
@@ -712,8 +764,10 @@ def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
     ``key``, ``value``: bf16 ``[num_tokens, num_kv_heads*head_dim]`` or
     ``[num_tokens, num_kv_heads, head_dim]``, each row contiguous, any row stride (ELEMENTS) of
     at least a row. ``slot_mapping``: int64 ``[num_tokens]``, contiguous; ``slot = page *
-    block_size + offset``, a negative slot writes nothing. ``k_scale`` defaults to
-    ``cache.k_scale``. Streams: see the module docstring. Asynchronous; returns nothing.
+    block_size + offset``, a negative slot writes nothing; on a checked cache a slot past
+    ``layout.num_blocks`` pages is skipped and reported (:meth:`KVCache.check_errors`).
+    ``k_scale`` defaults to ``cache.k_scale``. Streams: see the module docstring. Asynchronous;
+    returns nothing.
     """
     layout = _open(cache).layout
     call = _Call.gather(stream, key=key, value=value, slot_mapping=slot_mapping)
@@ -728,7 +782,7 @@ def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
             key=call["key"].ptr, value=call["value"].ptr, k_cache=cache.k_ptr,
             v_cache=cache.v_ptr, slot_mapping=call["slot_mapping"].ptr, num_tokens=num_tokens, key_stride=key_stride, value_stride=value_stride,
             k_scale=cache.k_scale if k_scale is None else k_scale, stream=call.stream,
-            **cache._layout_args())
+            **cache._layout_args(), **cache._checked_args())
 
 
 def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, out: Any = None,
@@ -744,7 +798,9 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     it like q (torch or CuPy q only; on their allocator's current stream). ``inv_sqrt_d`` defaults
     to ``head_dim**-0.5``; ``sliding_window`` 0 is off; ``sparse_v_threshold`` 0 is exact.
     ``workspace``: any contiguous writable device array (its size in BYTES is passed), e.g. from
-    :meth:`KVCache.decode_workspace`; None runs unsplit. Streams: see the module docstring.
+    :meth:`KVCache.decode_workspace`; None runs unsplit. On a checked cache, block-table entries
+    outside ``layout.num_blocks`` pages are left out and out-of-range seq_lens clamped, both
+    reported (:meth:`KVCache.check_errors`). Streams: see the module docstring.
     """
     layout = _open(cache).layout
     if out is None:
@@ -779,7 +835,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
             sparse_v_threshold=sparse_v_threshold,
             workspace=scratch.ptr if scratch is not None else 0,
             workspace_bytes=scratch.nbytes if scratch is not None else 0,
-            stream=call.stream, **cache._layout_args())
+            stream=call.stream, **cache._layout_args(), **cache._checked_args())
     return out
 
 
@@ -802,12 +858,14 @@ def dequantize_kv(cache: KVCache, slot_mapping: Any, key: Any = None, value: Any
     ``(key, value)``.
 
     ``slot_mapping``: int64 ``[num_tokens]``, contiguous; ``slot = page * block_size + offset``, a
-    negative slot gives a row of zeros. ``key``, ``value``: writable bf16
-    ``[num_tokens, num_kv_heads*head_dim]`` or ``[num_tokens, num_kv_heads, head_dim]``, each row
-    contiguous, any row stride (ELEMENTS) of at least a row; only the row elements are written.
-    None allocates a dense ``[num_tokens, num_kv_heads, head_dim]`` array from the cache's backend
-    on its device (torch or CuPy pools only, on their allocator's current stream; a "cuda"-backend
-    cache needs both outputs). Elements are ``E4M3(K byte) * cache.k_scale`` and
+    negative slot gives a row of zeros, and so does, on a checked cache, a slot past
+    ``layout.num_blocks`` pages (reported: :meth:`KVCache.check_errors`). ``key``, ``value``:
+    writable bf16 ``[num_tokens, num_kv_heads*head_dim]`` or
+    ``[num_tokens, num_kv_heads, head_dim]``, each row contiguous, any row stride (ELEMENTS) of at
+    least a row; only the row elements are written. None allocates a dense
+    ``[num_tokens, num_kv_heads, head_dim]`` array from the cache's backend on its device (torch
+    or CuPy pools only, on their allocator's current stream; a "cuda"-backend cache needs both
+    outputs). Elements are ``E4M3(K byte) * cache.k_scale`` and
     ``level[code] * E4M3(group scale)``, computed in float32 and rounded to bf16 (docs/format.md
     §2, §3). Streams: see the module docstring. Asynchronous.
     """
@@ -831,7 +889,7 @@ def dequantize_kv(cache: KVCache, slot_mapping: Any, key: Any = None, value: Any
             k_cache=cache.k_ptr, v_cache=cache.v_ptr, slot_mapping=call["slot_mapping"].ptr,
             key=call["key"].ptr, value=call["value"].ptr, num_tokens=num_tokens,
             key_stride=strides["key"], value_stride=strides["value"], k_scale=cache.k_scale,
-            stream=call.stream, **cache._layout_args())
+            stream=call.stream, **cache._layout_args(), **cache._checked_args())
     return outputs["key"], outputs["value"]
 
 

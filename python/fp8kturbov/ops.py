@@ -105,9 +105,14 @@ def reshape_and_cache(
     num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
     key_stride: int, value_stride: int, k_scale: float, v_bits: int,
     k_block_stride_bytes: int, v_block_stride_bytes: int, v_data_section_bytes: int,
-    stream: Any = None,
+    num_blocks: int = 0, error_flags: int = 0, stream: Any = None,
 ) -> None:
-    """Write K/V rows into the pools (``fp8kturbov_reshape_and_cache``); see the C header."""
+    """Write K/V rows into the pools (``fp8kturbov_reshape_and_cache``); see the C header.
+
+    Checked mode (the header's "Checked mode"): ``num_blocks`` is the number of pages each pool
+    holds (0 = unchecked), ``error_flags`` the device address of a 4-byte aligned uint32 word
+    (e.g. :attr:`fp8kturbov.ErrorWord.ptr`) the kernel ORs :class:`~fp8kturbov.IndexErrorFlags`
+    bits into; read it with :func:`fp8kturbov.check_errors`."""
     params = _params(WriteParams, lib.fp8kturbov_write_params_init, dict(locals()))
     check(lib.fp8kturbov_reshape_and_cache(ctypes.byref(params), stream_handle(stream)))
 
@@ -117,10 +122,12 @@ def dequantize(
     num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
     key_stride: int, value_stride: int, k_scale: float, v_bits: int,
     k_block_stride_bytes: int, v_block_stride_bytes: int, v_data_section_bytes: int,
-    stream: Any = None,
+    num_blocks: int = 0, error_flags: int = 0, stream: Any = None,
 ) -> None:
     """Read slots of the pools back into bf16 K/V rows (``fp8kturbov_dequantize``); see the C
-    header. ``key``/``value`` are written at ``t*key_stride`` / ``t*value_stride`` (ELEMENTS)."""
+    header. ``key``/``value`` are written at ``t*key_stride`` / ``t*value_stride`` (ELEMENTS).
+    ``num_blocks`` (pages per pool), ``error_flags`` (device address): checked mode, as in
+    :func:`reshape_and_cache`."""
     params = _params(DequantizeParams, lib.fp8kturbov_dequantize_params_init, dict(locals()))
     check(lib.fp8kturbov_dequantize(ctypes.byref(params), stream_handle(stream)))
 
@@ -135,13 +142,16 @@ def paged_decode_attn(
     head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float, q_stride: int,
     v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
     k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
-    workspace: int = 0, workspace_bytes: int = 0, stream: Any = None,
+    workspace: int = 0, workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0,
+    stream: Any = None,
 ) -> None:
     """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
 
     ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact.
     ``workspace`` is a device buffer of ``workspace_bytes`` bytes (see
     :func:`paged_decode_workspace_bytes`); without it the context is not split across CTAs.
+    ``num_blocks`` (pages per pool), ``error_flags`` (device address): checked mode, as in
+    :func:`reshape_and_cache`.
     """
     fields = dict(locals())
     del fields["stream"]
