@@ -280,6 +280,37 @@ def test_report_has_the_table_ceiling_floor_and_context():
     assert not any("timing gate" in line for line in lines)
 
 
+def test_report_names_the_mode():
+    assert ", unchecked;" in bench.format_report(fake_rows(), DEVICE, bench.Config())
+    assert ", checked mode;" in bench.format_report(fake_rows(), DEVICE, bench.Config(checked=True))
+
+
+class FakeMemoryDevice:
+    """Records the allocations and memsets of `bench.index_check`."""
+
+    def __init__(self) -> None:
+        self.allocs, self.memsets = [], []
+
+    def alloc(self, nbytes: int) -> int:
+        self.allocs.append(nbytes)
+        return 0x1000 * len(self.allocs)
+
+    def memset(self, address: int, value: int, nbytes: int) -> None:
+        self.memsets.append((address, value, nbytes))
+
+
+def test_index_check_gives_each_set_a_zeroed_word_in_checked_mode():
+    layout = bench.CacheLayout(37, 16, 8, 128, 3)
+    dev = FakeMemoryDevice()
+    assert bench.index_check(dev, layout, bench.Config()) == {}
+    assert dev.allocs == [] and dev.memsets == []
+    first = bench.index_check(dev, layout, bench.Config(checked=True))
+    second = bench.index_check(dev, layout, bench.Config(checked=True))
+    assert first == {"num_blocks": 37, "error_flags": 0x1000}
+    assert second == {"num_blocks": 37, "error_flags": 0x2000}
+    assert dev.allocs == [4, 4] and dev.memsets == [(0x1000, 0, 4), (0x2000, 0, 4)]
+
+
 def test_table_columns_align():
     table = bench.format_table([("a", "1.5"), ("bbb", "10.25")], ("name", "us"))
     assert table.splitlines() == ["name     us", "----  -----", "a       1.5", "bbb   10.25"]
@@ -326,12 +357,12 @@ def test_cli_options_become_a_config():
     args = build_parser().parse_args(
         ["bench", "--op", "decode", "--shapes", "1x32768,8x8k", "--bits", "3", "--head-dim",
          "128,256", "--q-heads", "16", "--kv-heads", "4", "--block-size", "32", "--iters", "50",
-         "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--no-peers",
+         "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--checked", "--no-peers",
          "--json", "out.json", "--plot", "out.png"])
     assert config_from_args(args) == bench.Config(
         ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
         num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
-        sparse_v_threshold=0.0, peers=False)
+        sparse_v_threshold=0.0, checked=True, peers=False)
     assert (args.json, args.plot) == ("out.json", "out.png")
     assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
 
@@ -394,9 +425,10 @@ def test_module_without_a_gpu_fails_in_one_line():
 
 
 @pytest.mark.gpu
-def test_gpu_smoke_one_tiny_shape(tmp_path):
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
+def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
     config = bench.Config(shapes=((2, 300),), tokens=(16,), bits=(3,), iters=5, warmup=2, sets=2,
-                          copy_bytes=256 << 20)
+                          copy_bytes=256 << 20, checked=checked)
     with bench.Device() as dev:
         device = bench.describe_device(dev)
         rows = bench.run_benchmarks(config, device=dev, show_progress=False)

@@ -80,6 +80,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=d.sparse_v_threshold,
                         help=f"decode's sparse-V threshold, 0 = exact (default: {d.sparse_v_threshold:g})")
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed of the inputs")
+    parser.add_argument("--checked", action="store_true",
+                        help="run the library's launches in checked mode (pool capacity and an "
+                        "error word), to measure its cost")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
     parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
@@ -94,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         bits=args.bits, head_dims=args.head_dim, num_q_heads=args.q_heads,
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
-        peers=not args.no_peers, seed=args.seed)
+        checked=args.checked, peers=not args.no_peers, seed=args.seed)
 
 
 def _error(message: str, command: str = "bench") -> None:

@@ -127,6 +127,7 @@ class Config:
     warmup: int = 20  # untimed launches before them
     sets: int = 3  # input sets rotated among
     sparse_v_threshold: float = 1e-3
+    checked: bool = False  # checked mode (pool capacity and an error word) on every launch
     peers: bool = True
     copy_bytes: int = 2 * GiB  # one direction of the ceiling copy
     chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
@@ -469,6 +470,16 @@ def decode_scalars(shape: Shape, layout: CacheLayout, k_scale: float,
                 sparse_v_threshold=sparse_v_threshold, **_page_strides(layout))
 
 
+def index_check(dev: Device, layout: CacheLayout, config: Config) -> dict[str, int]:
+    """The checked-mode arguments of one input set: the pools' page count and a zeroed error
+    word (none when ``config.checked`` is off)."""
+    if not config.checked:
+        return {}
+    word = dev.alloc(4)
+    dev.memset(word, 0, 4)
+    return {"num_blocks": layout.num_blocks, "error_flags": word}
+
+
 def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) -> None:
     """The benchmark's one call of the library's decode, with its split-K workspace."""
     paged_decode_attn(
@@ -478,13 +489,13 @@ def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) 
 
 
 def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: WriteBuffers,
-                 stream: Any) -> None:
-    """The benchmark's one call of the library's cache write."""
+                 stream: Any, checks: dict[str, int] | None = None) -> None:
+    """The benchmark's one call of the library's cache write (``checks``: `index_check`)."""
     reshape_and_cache(
         buffers.key, buffers.value, buffers.k_cache, buffers.v_cache, buffers.slot_mapping,
         num_tokens=shape.batch, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
         block_size=shape.block_size, key_stride=shape.row_elems, value_stride=shape.row_elems,
-        k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout))
+        k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout), **(checks or {}))
 
 
 def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
@@ -506,7 +517,8 @@ def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
             workspace_bytes=workspace_bytes)
         replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
         replicate(dev, buffers.v_cache, layout.v_pool_bytes, chunk.v_pages)
-        enqueues.append(functools.partial(launch_decode, scalars, buffers, dev.stream))
+        launch_scalars = {**scalars, **index_check(dev, layout, config)}
+        enqueues.append(functools.partial(launch_decode, launch_scalars, buffers, dev.stream))
     return enqueues
 
 
@@ -525,7 +537,8 @@ def write_enqueues(dev: Device, shape: Shape, config: Config,
             key=dev.upload(key_bits), value=dev.upload(value_bits),
             k_cache=dev.alloc(layout.k_pool_bytes), v_cache=dev.alloc(layout.v_pool_bytes),
             slot_mapping=dev.upload(slots))
-        enqueues.append(functools.partial(launch_write, shape, layout, k_scale, buffers, dev.stream))
+        enqueues.append(functools.partial(launch_write, shape, layout, k_scale, buffers, dev.stream,
+                                          index_check(dev, layout, config)))
     return enqueues
 
 
@@ -867,7 +880,8 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
         launch = by_op["launch"]
         lines.append(f"launch floor: {_number(launch['median_us'], 2)} us ({launch['shape']})")
     lines.append(f"q_heads {config.num_q_heads}, kv_heads {config.num_kv_heads}, block_size "
-                 f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}; "
+                 f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
+                 f"{'checked mode' if config.checked else 'unchecked'}; "
                  f"median of {config.iters} graph replays rotating {config.sets} input sets; "
                  "L2: all sets fit in L2 together")
     if not device.get("timing_gate", True):
