@@ -252,9 +252,13 @@ def test_checked_cache_raises_after_the_stream_and_then_resets(device, rng):
     layout = fp8kturbov.CacheLayout(num_blocks=4, block_size=16, num_kv_heads=2, head_dim=128, v_bits=3)
     n = layout.row_elems
     with fp8kturbov.KVCache.allocate(layout, K_SCALE, backend="cuda", checked=True) as cache:
-        slots = np.array([0, 17, layout.num_slots + 5], dtype=np.int64)
-        fp8kturbov.write_kv(DeviceArray(device, bf16_rows(rng, 3, n, n)), DeviceArray(device, bf16_rows(rng, 3, n, n)),
-                            cache, DeviceArray(device, slots), stream=device.stream)
+        # Page 0 whole (the decode below reads it; the pools start uninitialised), then a slot past
+        # the pools.
+        slots = np.append(np.arange(layout.block_size), layout.num_slots + 5).astype(np.int64)
+        rows = len(slots)
+        fp8kturbov.write_kv(DeviceArray(device, bf16_rows(rng, rows, n, n)),
+                            DeviceArray(device, bf16_rows(rng, rows, n, n)), cache, DeviceArray(device, slots),
+                            stream=device.stream)
         with pytest.raises(fp8kturbov.CacheIndexError) as caught:
             cache.check_errors(device.stream)
         assert caught.value.flags == SLOT
