@@ -3,7 +3,9 @@
 # test, then the GPU tests under compute-sanitizer (memcheck, racecheck,
 # initcheck, synccheck).
 # Usage: ci/gpu-test.sh [LOG_DIR]     (FP8KTURBOV_CUDA_ARCHITECTURES overrides the architecture)
-# Set FP8KTURBOV_SKIP_INSTALL=1 to test the package already installed.
+# Set FP8KTURBOV_SKIP_INSTALL=1 to test the package already installed, SANITIZER_TOOLS to run some
+# of the tools only (e.g. "memcheck racecheck"), PYTEST_ARGS / SANITIZER_PYTEST_ARGS to pass
+# options to pytest (e.g. a test selection for runs under a time limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log_dir="${1:-build/gpu-test-logs}"
@@ -21,7 +23,7 @@ fi
 status=0
 python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log_dir/pytest.log" | tail -n 15 \
   || status=1
-for tool in memcheck racecheck initcheck synccheck; do
+for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   echo "== compute-sanitizer --tool $tool"
   compute-sanitizer --tool "$tool" --error-exitcode 9 \
     python3 -m pytest tests -m gpu -q -x -p no:cacheprovider ${SANITIZER_PYTEST_ARGS:-} \
