@@ -65,13 +65,19 @@ def last_error() -> str:
     return lib.fp8kturbov_last_error_message().decode()
 
 
-def v1_struct_size(op: str) -> int:
-    """``FP8KTURBOV_<OP>_PARAMS_V1_SIZE`` of the header (op "write", "decode" or "dequantize"):
-    the params struct of library 0.1, before the checked-mode fields, still accepted."""
+def old_struct_sizes(op: str) -> list[int]:
+    """``FP8KTURBOV_<OP>_PARAMS_V<n>_SIZE`` of the header, n = 1, 2, ... (op "write", "decode" or
+    "dequantize"): the sizes of the earlier versions of a params struct, still accepted (version
+    1 = library 0.1, before the checked-mode fields)."""
     if not HEADER.exists():
         pytest.skip(f"{HEADER} not found (tests run from a checkout)")
     code = re.sub(r"/\*.*?\*/", " ", HEADER.read_text(), flags=re.S)
-    return int(re.search(rf"#define\s+FP8KTURBOV_{op.upper()}_PARAMS_V1_SIZE\s+(\d+)", code).group(1))
+    found = dict(re.findall(rf"#define\s+FP8KTURBOV_{op.upper()}_PARAMS_V(\d+)_SIZE\s+(\d+)", code))
+    return [int(found[str(v)]) for v in range(1, len(found) + 1)]
+
+
+def v1_struct_size(op: str) -> int:
+    return old_struct_sizes(op)[0]
 
 
 def struct_before_an_unreadable_page(params: ctypes.Structure, nbytes: int) -> tuple[Any, mmap.mmap]:

@@ -29,7 +29,7 @@ import pytest
 
 import fp8kturbov
 from abi_util import (EXCEPTIONS, EntryPoint, last_error, no_gpu, struct_before_an_unreadable_page,
-                      v1_struct_size)
+                      old_struct_sizes, v1_struct_size)
 from conftest import gpu_unavailable_reason
 from fp8kturbov import Status, _lib
 from fp8kturbov._lib import lib
@@ -221,15 +221,19 @@ def test_struct_mirror_matches_c_layout(tag, c_struct_layout):
         assert (getattr(mirror, name).offset, getattr(mirror, name).size) == c_layout[name], name
 
 
-CHECKED_MODE_FIELDS = ["num_blocks", "error_flags"]
+# The fields each version after the first appended, in header order (version 1 = library 0.1).
+ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_encoder"]],
+                "fp8kturbov_decode_params": [["num_blocks", "error_flags"]],
+                "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]]}
 
 
 @pytest.mark.parametrize("tag", STRUCTS)
-def test_v1_size_is_the_struct_before_the_checked_mode_fields(tag, c_struct_layout):
-    assert [name for _, name in header_struct(tag)][-2:] == CHECKED_MODE_FIELDS
-    v1_size = v1_struct_size(tag.removeprefix("fp8kturbov_").removesuffix("_params"))
-    assert v1_size == c_struct_layout[tag]["num_blocks"][0]
-    assert v1_size + 16 == c_struct_layout[tag]["sizeof"][1]  # a uint64 and a pointer
+def test_each_old_size_ends_where_the_next_version_s_fields_begin(tag, c_struct_layout):
+    added = ADDED_FIELDS[tag]
+    names = [name for _, name in header_struct(tag)]
+    assert names[len(names) - sum(map(len, added)):] == [name for fields in added for name in fields]
+    sizes = old_struct_sizes(tag.removeprefix("fp8kturbov_").removesuffix("_params"))
+    assert sizes == [c_struct_layout[tag][fields[0]][0] for fields in added]
 
 
 def documented_defaults(tag: str) -> dict[str, float]:
@@ -248,7 +252,8 @@ def test_params_init_sets_size_and_documented_defaults(tag):
     defaults = documented_defaults(tag)
     assert "v_bits" in defaults
     assert params.struct_size == ctypes.sizeof(mirror)
-    assert {name for name, _ in mirror._fields_} >= set(CHECKED_MODE_FIELDS)  # zeroed too
+    added = [name for fields in ADDED_FIELDS[f"fp8kturbov_{tag}_params"] for name in fields]
+    assert {name for name, _ in mirror._fields_} >= set(added)  # zeroed too
     for name, ctype in mirror._fields_:
         if name == "struct_size":
             continue
@@ -631,7 +636,7 @@ def test_null_params_struct(op):
 
 
 @pytest.mark.parametrize("op", ["write", "decode"])
-@pytest.mark.parametrize("delta", [-8, 8, "zero"])
+@pytest.mark.parametrize("delta", [-4, 8, "zero"])  # (sizeof - 8 is the version-2 write struct)
 def test_wrong_struct_size(op, delta):
     entry = Entry(op)
     mirror = STRUCTS[f"fp8kturbov_{op}_params"]
@@ -847,3 +852,39 @@ def test_launch_without_gpu_reports_the_cuda_error(entry):
     args = entry.valid_args(work=1) | fake_pointers(POINTER_FIELDS[entry.op])
     message = expect_failure(entry, args, Status.CUDA_ERROR, [])
     assert re.search(r"\bcudaError[A-Z]\w+", message), message
+
+
+# ---- The V encoder of the write (v_encoder) and the version-2 write struct ------------------------
+WRITE_ENTRY = next(entry for entry in GENERIC_ENTRIES if entry.op == "write")
+
+
+def test_v_encoder_values_mirror_the_header():
+    code = re.sub(r"/\*.*?\*/", " ", HEADER.read_text(), flags=re.S)
+    values = dict(re.findall(r"FP8KTURBOV_V_ENCODER_(\w+)\s*=\s*(\d+)", code))
+    assert {name: int(v) for name, v in values.items()} == {e.name: e.value for e in fp8kturbov.VEncoder}
+
+
+@pytest.mark.parametrize("v_encoder", [0, 1])
+def test_write_accepts_each_v_encoder(v_encoder):
+    set_error_message()
+    assert call_with_struct_size(WRITE_ENTRY, WRITE_ENTRY.valid_args() | {"v_encoder": v_encoder},
+                                 ctypes.sizeof(_lib.WriteParams)) == Status.SUCCESS, last_error()
+    assert last_error() == ""
+
+
+@pytest.mark.parametrize("v_encoder", [2, 3, 2**31, 2**32 - 1])
+def test_write_refuses_an_unknown_v_encoder(v_encoder):
+    expect_failure(WRITE_ENTRY, WRITE_ENTRY.valid_args() | {"v_encoder": v_encoder}, Status.INVALID_VALUE,
+                   [f"v_encoder = {v_encoder}"])
+
+
+def test_v2_write_struct_reads_v_encoder_as_matched_norm():
+    """A struct of library 0.2 (checked mode, no v_encoder): what lies past it is not read."""
+    v2_size = old_struct_sizes("write")[1]
+    args = WRITE_ENTRY.valid_args() | {"v_encoder": 7, "num_blocks": 8, "error_flags": WORD}
+    assert call_with_struct_size(WRITE_ENTRY, args, v2_size) == Status.SUCCESS, last_error()
+    params, _mapping = struct_before_an_unreadable_page(params_struct(WRITE_ENTRY, args, v2_size), v2_size)
+    assert lib.fp8kturbov_reshape_and_cache(params, None) == Status.SUCCESS, last_error()
+    # The version-2 fields are read: checked mode with work still needs its error word.
+    args |= {"num_tokens": 1, "num_blocks": 8, "error_flags": 0}
+    assert call_with_struct_size(WRITE_ENTRY, args, v2_size) == Status.NULL_POINTER

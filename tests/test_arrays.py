@@ -312,8 +312,23 @@ def test_write_passes_pointers_element_strides_and_the_layout(make, launches):
     assert kw == dict(key=args["key"].ptr, value=args["value"].ptr, k_cache=cache.k_ptr,
                       v_cache=cache.v_ptr, slot_mapping=args["slot_mapping"].ptr, num_tokens=T,
                       key_stride=N + 40, value_stride=N, k_scale=K_SCALE, stream=kw["stream"],
-                      **LAYOUT_ARGS, **UNCHECKED_ARGS)
+                      v_encoder=fp8kturbov.VEncoder.MATCHED_NORM, **LAYOUT_ARGS, **UNCHECKED_ARGS)
     assert ("device", (0,), {}) in launches
+
+
+@pytest.mark.parametrize("given, passed", [("mse", fp8kturbov.VEncoder.MSE),
+                                           (fp8kturbov.VEncoder.MSE, fp8kturbov.VEncoder.MSE),
+                                           ("matched_norm", fp8kturbov.VEncoder.MATCHED_NORM)])
+def test_write_passes_the_v_encoder(make, launches, given, passed):
+    fp8kturbov.write_kv(cache=make_cache(), v_encoder=given, **write_args(make))
+    assert launched(launches, "reshape_and_cache")["v_encoder"] is passed
+
+
+@pytest.mark.parametrize("given", ["MSE", "nvfp4", 1, None])
+def test_write_refuses_an_unknown_v_encoder(make, launches, given):
+    with pytest.raises(fp8kturbov.ArgumentError, match="v_encoder"):
+        fp8kturbov.write_kv(cache=make_cache(), v_encoder=given, **write_args(make))
+    assert not any(name == "reshape_and_cache" for name, *_ in launches)
 
 
 def test_write_k_scale_override_and_single_row_stride(launches):

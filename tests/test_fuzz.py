@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fp8kturbov  # noqa: E402
-from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu, v1_struct_size  # noqa: E402
+from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu, old_struct_sizes  # noqa: E402
 from conftest import gpu_unavailable_reason  # noqa: E402
 from fp8kturbov import Status, _lib  # noqa: E402
 from fp8kturbov._lib import lib  # noqa: E402
@@ -96,9 +96,12 @@ ALL_POINTERS = {op: [n for n, t in s._fields_ if t is ctypes.c_void_p] for op, s
 POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags")]
             for op, names in ALL_POINTERS.items()}
 WORK = {"write": "num_tokens", "decode": "num_seqs"}
-# FP8KTURBOV_<OP>_PARAMS_V1_SIZE: the struct before the checked-mode fields, still accepted.
-V1_SIZES = {op: v1_struct_size(op) for op in STRUCTS}
-UNCHECKED = {"num_blocks": 0, "error_flags": 0}  # how the library reads a version-1 struct's tail
+# FP8KTURBOV_<OP>_PARAMS_V<n>_SIZE: the earlier versions of the structs, still accepted; version 1
+# is the struct before the checked-mode fields.
+OLD_SIZES = {op: old_struct_sizes(op) for op in STRUCTS}
+V1_SIZES = {op: sizes[0] for op, sizes in OLD_SIZES.items()}
+# How the library reads a version-1 struct's tail (unchecked, the default V encoder).
+UNCHECKED = {"num_blocks": 0, "error_flags": 0, "v_encoder": 0}
 FIXED_PARAMS = {"write": _fixed_launcher_params("FP8KTURBOV_DECLARE_WRITE"),
                 "decode": _fixed_launcher_params("FP8KTURBOV_DECLARE_DECODE")}
 assert all(names[-1] == "stream" for names in FIXED_PARAMS.values()), FIXED_PARAMS
@@ -200,6 +203,7 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         e.rule(op == "write" and k_scale_ok and not np.isfinite(np.float32(1) / np.float32(k_scale)),
                V, "k_scale = ")
     if op == "write":
+        e.rule(get("v_encoder") not in (0, 1), V, "v_encoder = ")
         e.rule(row > U32_MAX, V, "num_kv_heads * head_dim = ")
         for name in ("key_stride", "value_stride"):
             e.rule(a[name] < row, V, f"{name} = ")
@@ -332,6 +336,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                 v_block_stride_bytes=v_data + v_data_pad + k_page // 16 + draw(st.sampled_from([0, 8, 64])))
     if entry.op == "write":
         args.update(num_tokens=draw(work), key_stride=row + draw(st.integers(0, 64)),
+                    v_encoder=draw(st.sampled_from([0, 1])),
                     value_stride=row + draw(st.integers(0, 64)),
                     k_block_stride_bytes=k_page + 16 * draw(st.integers(0, 4)))
     else:
@@ -425,10 +430,10 @@ def test_c_head_dim_not_a_multiple_of_16_is_invalid_value(entry, data):
 @FEW
 @given(data=st.data())
 def test_c_struct_size_other_than_the_library_s_is_refused(entry, data):
-    size, v1_size = ctypes.sizeof(STRUCTS[entry.op]), V1_SIZES[entry.op]
-    near = [0, 1, size - 8, size - 1, size + 1, size + 8, v1_size - 8, v1_size - 1, v1_size + 1, v1_size + 8]
+    size, known = ctypes.sizeof(STRUCTS[entry.op]), [ctypes.sizeof(STRUCTS[entry.op]), *OLD_SIZES[entry.op]]
+    near = [0, 1] + [k + d for k in known for d in (-8, -1, 1, 8)]
     struct_size = data.draw(st.one_of(st.sampled_from(near + [2**63, U64_MAX]), st.integers(0, U64_MAX))
-                            .filter(lambda n: n not in (size, v1_size)), label="struct_size")
+                            .filter(lambda n: n not in known), label="struct_size")
     args = data.draw(hostile_args(entry), label="args")
     assert call_c(entry, args, struct_size=struct_size) == Status.BAD_STRUCT_SIZE, last_error()
     assert last_error().startswith(f"{entry.c_name}: ")

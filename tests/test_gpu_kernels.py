@@ -71,8 +71,8 @@ def assert_pools_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 @pytest.mark.parametrize("entry, row_pad", [("fixed", (32, 16)), ("generic", (32, 16)),
-                                            ("generic", (3, 1))],
-                         ids=["fixed", "generic", "odd_row_strides"])
+                                            ("generic", (3, 1)), ("mse", (32, 16))],
+                         ids=["fixed", "generic", "odd_row_strides", "mse_encoder"])
 def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entry, row_pad):
     num_kv_heads, block_size, num_blocks, num_tokens = 2, 16, 12, 150
     n = num_kv_heads * head_dim
@@ -85,13 +85,18 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
     key_stride, value_stride = n + row_pad[0], n + row_pad[1]
     key = random_rows(rng, num_tokens, key_stride, n, hostile=True)
     value = random_rows(rng, num_tokens, value_stride, n, hostile=True)
+    encoder = "mse" if entry == "mse" else "matched_norm"
+    if encoder == "mse":  # groups small enough that subnormal scale bytes win the search
+        groups = value[:, :n].reshape(num_tokens, -1, 16)
+        groups[rng.random(groups.shape[:2]) < 0.05] *= BF16(2.0**-12)
     slots = random_slots(rng, num_tokens, num_blocks * block_size)
     k_pool = random_pool(rng, num_blocks * k_stride)
     v_pool = random_pool(rng, num_blocks * v_stride)
 
     want_k, want_v = k_pool.copy(), v_pool.copy()
     ref.write_cache(key, value, want_k, want_v, slots, num_tokens, num_kv_heads, head_dim,
-                    block_size, key_stride, value_stride, 0.05, k_stride, v_stride, v_data, bits)
+                    block_size, key_stride, value_stride, 0.05, k_stride, v_stride, v_data, bits,
+                    encoder=encoder)
 
     k_dev, v_dev = device.upload(k_pool), device.upload(v_pool)
     ptrs = [device.upload(key.view(np.uint16)), device.upload(value.view(np.uint16)), k_dev, v_dev,
@@ -105,7 +110,8 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
             *ptrs, num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_size=block_size, key_stride=key_stride, value_stride=value_stride, k_scale=0.05,
             v_bits=bits, k_block_stride_bytes=k_stride, v_block_stride_bytes=v_stride,
-            v_data_section_bytes=v_data, stream=device.stream)
+            v_data_section_bytes=v_data, v_encoder=fp8kturbov.VEncoder[encoder.upper()],
+            stream=device.stream)
     assert_pools_equal(device.download(k_dev, k_pool), want_k, "K pool")
     assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
     assert not np.array_equal(want_k, k_pool), "the write changed nothing: the test proves nothing"

@@ -93,9 +93,21 @@ typedef enum fp8kturbov_index_error {
   FP8KTURBOV_INDEX_ERROR_SEQ_LEN = 4
 } fp8kturbov_index_error_t;
 
-/* struct_size: each params struct accepts the size of this header's struct and that of the
- * struct without the checked-mode fields (FP8KTURBOV_*_PARAMS_V1_SIZE, library version 0.1),
- * whose missing fields read as 0. */
+/* struct_size: each params struct accepts the size of this header's struct and those of its
+ * earlier versions (FP8KTURBOV_*_PARAMS_V1_SIZE: library 0.1, without the checked-mode fields;
+ * FP8KTURBOV_WRITE_PARAMS_V2_SIZE: library 0.2, without v_encoder), whose missing fields read as 0. */
+
+/* ---- V encoders ------------------------------------------------------------------------------ */
+/* How the write chooses a group's codes and scale byte; the bytes format and the decoder are the
+ * same for all (docs/format.md §3). Values are append-only. */
+typedef enum fp8kturbov_v_encoder {
+  /* §3.2, the original engine's "matched-norm" encoder: the default. */
+  FP8KTURBOV_V_ENCODER_MATCHED_NORM = 0,
+  /* The scale byte (and the codes it implies) with the least squared error after E4M3 rounding,
+   * searched over the bytes 0x00..0x7E; bit-exact with the NumPy reference (encoder="mse").
+   * It tries 127 scales per group where the default computes one. */
+  FP8KTURBOV_V_ENCODER_MSE = 1
+} fp8kturbov_v_encoder_t;
 
 /* ---- Layout sizes (host only, no CUDA call) -------------------------------------------------- */
 /* Each returns the size in BYTES, or 0 when an argument is invalid (head_dim not a multiple of
@@ -141,8 +153,10 @@ typedef struct fp8kturbov_write_params {
   uint64_t v_data_section_bytes;
   uint64_t num_blocks;   /* checked mode: pages per pool; 0 = unchecked */
   uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
+  uint32_t v_encoder;    /* fp8kturbov_v_encoder_t; default matched-norm */
 } fp8kturbov_write_params_t;
 #define FP8KTURBOV_WRITE_PARAMS_V1_SIZE 104
+#define FP8KTURBOV_WRITE_PARAMS_V2_SIZE 120
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
 FP8KTURBOV_API void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params);

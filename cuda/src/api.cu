@@ -110,23 +110,34 @@ fp8kturbov_status_t check_k_scale(const char* entry, float k_scale) {
       return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "%s is NULL", #field);              \
   } while (0)
 
-// The caller's params struct as this library's: struct_size is this header's size or the size of
-// the first version of the struct (V1_SIZE, before the checked-mode fields), whose missing
-// fields read as 0.
-template <typename Params>
-fp8kturbov_status_t read_params(const char* entry, const Params* params, size_t v1_size, Params* out) {
+// The caller's params struct as this library's: struct_size is this header's size or that of an
+// earlier version of the struct (`versions`, oldest first), whose missing fields read as 0.
+template <typename Params, size_t VERSIONS>
+fp8kturbov_status_t read_params(const char* entry, const Params* params,
+                                const size_t (&versions)[VERSIONS], Params* out) {
   if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
   const size_t given = params->struct_size;
-  if (given != sizeof(Params) && given != v1_size)
+  bool known = given == sizeof(Params);
+  char sizes[96];
+  int used = 0;
+  for (size_t v = 0; v < VERSIONS; ++v) {
+    known = known || given == versions[v];
+    used += std::snprintf(sizes + used, sizeof sizes - used, "%zu (version %zu), ", versions[v], v + 1);
+  }
+  if (!known)
     return fail(FP8KTURBOV_STATUS_BAD_STRUCT_SIZE, entry,
-                "params->struct_size = %zu, this library knows %zu and %zu (version 1)", given,
-                sizeof(Params), v1_size);
+                "params->struct_size = %zu, this library knows %s%zu", given, sizes, sizeof(Params));
   *out = Params{};
   std::memcpy(out, params, given);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
+constexpr size_t kWriteParamsVersions[] = {FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8KTURBOV_WRITE_PARAMS_V2_SIZE};
+constexpr size_t kDequantizeParamsVersions[] = {FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE};
+constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE};
 static_assert(offsetof(fp8kturbov_write_params_t, num_blocks) == FP8KTURBOV_WRITE_PARAMS_V1_SIZE,
               "the version-1 write struct ends where the checked-mode fields begin");
+static_assert(offsetof(fp8kturbov_write_params_t, v_encoder) == FP8KTURBOV_WRITE_PARAMS_V2_SIZE,
+              "the version-2 write struct ends where v_encoder begins");
 static_assert(offsetof(fp8kturbov_dequantize_params_t, num_blocks) == FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE,
               "the version-1 dequantize struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_decode_params_t, num_blocks) == FP8KTURBOV_DECODE_PARAMS_V1_SIZE,
@@ -212,6 +223,9 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   if (!std::isfinite(1.0f / p.k_scale))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "k_scale = %g is too small: 1/k_scale overflows float", double(p.k_scale));
+  if (p.v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM && p.v_encoder != FP8KTURBOV_V_ENCODER_MSE)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "v_encoder = %u is not FP8KTURBOV_V_ENCODER_MATCHED_NORM (0) or _MSE (1)", p.v_encoder);
   if (p.num_tokens == 0) return FP8KTURBOV_STATUS_SUCCESS;
   FP8KTURBOV_REQUIRE_POINTER(key);
   FP8KTURBOV_REQUIRE_POINTER(value);
@@ -238,7 +252,8 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                        p.k_block_stride_bytes,
                        p.v_block_stride_bytes,
                        p.v_data_section_bytes,
-                       index_check};
+                       index_check,
+                       p.v_encoder == FP8KTURBOV_V_ENCODER_MSE};
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_reshape_and_cache<decltype(bits)::value>(args, stream);
   });
@@ -575,7 +590,7 @@ fp8kturbov_status_t fp8kturbov_paged_decode_workspace_bytes(const fp8kturbov_dec
   const char* entry = "fp8kturbov_paged_decode_workspace_bytes";
   g_last_error[0] = '\0';
   fp8kturbov_decode_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_DECODE_PARAMS_V1_SIZE, &p));
+  FP8KTURBOV_CHECK(read_params(entry, params, kDecodeParamsVersions, &p));
   return decode_workspace_impl(entry, p, workspace_bytes);
 }
 
@@ -628,7 +643,7 @@ fp8kturbov_status_t fp8kturbov_reshape_and_cache(const fp8kturbov_write_params_t
   const char* entry = "fp8kturbov_reshape_and_cache";
   g_last_error[0] = '\0';
   fp8kturbov_write_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_WRITE_PARAMS_V1_SIZE, &p));
+  FP8KTURBOV_CHECK(read_params(entry, params, kWriteParamsVersions, &p));
   return write_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -637,7 +652,7 @@ fp8kturbov_status_t fp8kturbov_dequantize(const fp8kturbov_dequantize_params_t* 
   const char* entry = "fp8kturbov_dequantize";
   g_last_error[0] = '\0';
   fp8kturbov_dequantize_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE, &p));
+  FP8KTURBOV_CHECK(read_params(entry, params, kDequantizeParamsVersions, &p));
   return dequantize_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -646,7 +661,7 @@ fp8kturbov_status_t fp8kturbov_paged_decode_attn(const fp8kturbov_decode_params_
   const char* entry = "fp8kturbov_paged_decode_attn";
   g_last_error[0] = '\0';
   fp8kturbov_decode_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, FP8KTURBOV_DECODE_PARAMS_V1_SIZE, &p));
+  FP8KTURBOV_CHECK(read_params(entry, params, kDecodeParamsVersions, &p));
   return decode_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
 }
 

@@ -2,6 +2,7 @@
 // Host and device code both include this header; nothing here launches anything.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -129,6 +130,47 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kG
   float s = root_r2 > 1e-10f ? __fdiv_rn(__fsqrt_rn(n2), root_r2) : 0.0f;
   s = s > kE4M3Max ? kE4M3Max : s;  // written so that NaN stays NaN (not fminf)
   out.scale_byte = e4m3_encode(s);
+  return out;
+}
+
+// The MSE encoder (FP8KTURBOV_V_ENCODER_MSE; the reference's encode_v(encoder="mse")): each scale
+// byte 0x00..0x7E in turn, the codes it implies (the bounds rule of FORMAT §3.2 step 3 applied to
+// x / scale; byte 0x00 keeps x) and their squared error, all float32 with explicit rounding and
+// sequential sums; the first byte with the least error wins. A group without a finite error (NaN,
+// ±inf, or so large that every error overflows) takes the matched-norm encoding.
+template <int BITS>
+__device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x)[kGroupElems],
+                                                                 const float* levels) {
+  using CB = Codebook<BITS>;
+  static_assert(BITS * kGroupElems <= 64, "a group's codes fit one 64-bit word");
+  float best_err = INFINITY;
+  uint32_t best_byte = 0;
+  uint64_t best_codes = 0;  // code i at bits [BITS·i, BITS·i + BITS)
+  for (uint32_t byte = 0; byte < 0x7F; ++byte) {
+    const float s = e4m3_decode(uint8_t(byte));
+    uint64_t codes = 0;
+    float err = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGroupElems; ++i) {
+      const float y = byte == 0 ? x[i] : __fdiv_rn(x[i], s);
+      uint32_t code = 0;
+#pragma unroll
+      for (int b = 0; b < (1 << BITS) - 1; ++b) code += (y >= CB::bounds()[b]) ? 1 : 0;
+      codes |= uint64_t(code) << (BITS * i);
+      const float d = __fsub_rn(x[i], __fmul_rn(levels[code], s));
+      err = __fadd_rn(err, __fmul_rn(d, d));
+    }
+    if (err < best_err) {  // strict: ties keep the smaller byte
+      best_err = err;
+      best_byte = byte;
+      best_codes = codes;
+    }
+  }
+  if (!(best_err <= FLT_MAX)) return encode_v_group<BITS>(x, levels);
+  EncodedGroup<BITS> out;
+#pragma unroll
+  for (int i = 0; i < kGroupElems; ++i) out.codes[i] = uint8_t((best_codes >> (BITS * i)) & ((1u << BITS) - 1));
+  out.scale_byte = uint8_t(best_byte);
   return out;
 }
 

@@ -45,6 +45,7 @@ struct WriteArgs {
   uint64_t v_block_stride_bytes;
   uint64_t v_data_section_bytes;
   IndexCheck index_check;
+  bool mse_encoder;  // FP8KTURBOV_V_ENCODER_MSE, else matched-norm
 };
 
 // Arguments of one paged decode, after validation.

@@ -66,8 +66,9 @@ __device__ __forceinline__ void token_group_of_thread(uint32_t row_elems, uint64
 }
 
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
-// a thread computes them sequentially, exactly as FORMAT §3.2 orders them.
-template <int BITS>
+// a thread computes them sequentially, exactly as FORMAT §3.2 orders them. MSE: the V encoder
+// (WriteArgs::mse_encoder), a kernel of its own so that the default one stays as it is.
+template <int BITS, bool MSE>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
   __shared__ float levels_s[1 << BITS];
   load_levels<BITS>(levels_s);
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section.
-  const EncodedGroup<BITS> enc = encode_v_group<BITS>(x, levels_s);
+  const EncodedGroup<BITS> enc = MSE ? encode_v_group_mse<BITS>(x, levels_s) : encode_v_group<BITS>(x, levels_s);
   uint8_t packed[2 * BITS];
   pack_group<BITS>(enc.codes, packed);
   const VPageLayout layout{uint64_t(a.row_elems) * BITS / 8, a.row_elems / kGroupElems,
@@ -110,7 +111,9 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
 
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream) {
-  return launch_per_token_group(reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS>), args, stream);
+  const void* kernel = args.mse_encoder ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, true>)
+                                        : reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, false>);
+  return launch_per_token_group(kernel, args, stream);
 }
 
 }  // namespace fp8kturbov

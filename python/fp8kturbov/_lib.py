@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import enum
 import importlib.metadata
 import mmap
 import os
@@ -51,7 +52,16 @@ class WriteParams(ctypes.Structure):
         ("v_data_section_bytes", _u64),
         ("num_blocks", _u64),
         ("error_flags", _ptr),
+        ("v_encoder", _u32),
     ]
+
+
+class VEncoder(enum.IntEnum):
+    """Mirror of ``fp8kturbov_v_encoder_t``: how the write encodes V (same bytes format and decoder
+    either way); the lower-case names are the reference's ``encode_v(encoder=...)``."""
+
+    MATCHED_NORM = 0
+    MSE = 1
 
 
 class DecodeParams(ctypes.Structure):

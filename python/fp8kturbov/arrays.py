@@ -60,6 +60,7 @@ import numpy as np
 
 from . import ops
 from ._errors import CudaError, InvalidValueError, Status
+from ._lib import VEncoder
 from .layout import CacheLayout
 
 if TYPE_CHECKING:
@@ -758,7 +759,8 @@ class _Call:
 
 # ---- The operations -----------------------------------------------------------------------------
 def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
-             k_scale: float | None = None, stream: Any = None) -> None:
+             k_scale: float | None = None, v_encoder: VEncoder | str = VEncoder.MATCHED_NORM,
+             stream: Any = None) -> None:
     """Write token rows into the cache (``reshape_and_cache``, docs/format.md §4).
 
     ``key``, ``value``: bf16 ``[num_tokens, num_kv_heads*head_dim]`` or
@@ -766,10 +768,12 @@ def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
     at least a row. ``slot_mapping``: int64 ``[num_tokens]``, contiguous; ``slot = page *
     block_size + offset``, a negative slot writes nothing; on a checked cache a slot past
     ``layout.num_blocks`` pages is skipped and reported (:meth:`KVCache.check_errors`).
-    ``k_scale`` defaults to ``cache.k_scale``. Streams: see the module docstring. Asynchronous;
-    returns nothing.
+    ``k_scale`` defaults to ``cache.k_scale``. ``v_encoder``: a :class:`~fp8kturbov.VEncoder` or
+    its lower-case name ("matched_norm", the default, or "mse"; the reference's ``encoder``).
+    Streams: see the module docstring. Asynchronous; returns nothing.
     """
     layout = _open(cache).layout
+    encoder = _v_encoder(v_encoder)
     call = _Call.gather(stream, key=key, value=value, slot_mapping=slot_mapping)
     key_stride = _check_token_rows(call["key"], layout)
     value_stride = _check_token_rows(call["value"], layout)
@@ -781,8 +785,17 @@ def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
         ops.reshape_and_cache(
             key=call["key"].ptr, value=call["value"].ptr, k_cache=cache.k_ptr,
             v_cache=cache.v_ptr, slot_mapping=call["slot_mapping"].ptr, num_tokens=num_tokens, key_stride=key_stride, value_stride=value_stride,
-            k_scale=cache.k_scale if k_scale is None else k_scale, stream=call.stream,
-            **cache._layout_args(), **cache._checked_args())
+            k_scale=cache.k_scale if k_scale is None else k_scale, v_encoder=encoder,
+            stream=call.stream, **cache._layout_args(), **cache._checked_args())
+
+
+def _v_encoder(v_encoder: Any) -> VEncoder:
+    if isinstance(v_encoder, VEncoder):
+        return v_encoder
+    names = [e.name.lower() for e in VEncoder]
+    if isinstance(v_encoder, str) and v_encoder in names:
+        return VEncoder[v_encoder.upper()]
+    raise ArgumentError("v_encoder", repr(v_encoder), f"a VEncoder or one of {', '.join(map(repr, names))}")
 
 
 def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, out: Any = None,

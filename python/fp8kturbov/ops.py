@@ -105,9 +105,12 @@ def reshape_and_cache(
     num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
     key_stride: int, value_stride: int, k_scale: float, v_bits: int,
     k_block_stride_bytes: int, v_block_stride_bytes: int, v_data_section_bytes: int,
-    num_blocks: int = 0, error_flags: int = 0, stream: Any = None,
+    num_blocks: int = 0, error_flags: int = 0, v_encoder: int = 0, stream: Any = None,
 ) -> None:
     """Write K/V rows into the pools (``fp8kturbov_reshape_and_cache``); see the C header.
+
+    ``v_encoder``: a :class:`~fp8kturbov.VEncoder` (0 = matched-norm, the default; 1 = the MSE
+    scale search).
 
     Checked mode (the header's "Checked mode"): ``num_blocks`` is the number of pages each pool
     holds (0 = unchecked), ``error_flags`` the device address of a 4-byte aligned uint32 word

@@ -366,8 +366,10 @@ def _check_layout(block_size: int, num_kv_heads: int, head_dim: int, bits: int, 
 def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8],
                 slot_mapping: ArrayLike, num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
                 key_stride: int, value_stride: int, k_scale: float, k_block_stride_bytes: int,
-                v_block_stride_bytes: int, v_data_section_bytes: int, bits: int) -> None:
+                v_block_stride_bytes: int, v_data_section_bytes: int, bits: int,
+                encoder: str = "matched_norm") -> None:
     """``reshape_and_cache``: write ``num_tokens`` token rows into the K and V pools, FORMAT.md §4.
+    ``encoder``: the V encoder of `encode_v` (the kernels' ``v_encoder``).
 
     ``key``/``value``: float32 or bfloat16 arrays read as flat element arrays; token ``t``'s row is
     ``flat[t·key_stride : t·key_stride + n]`` (strides in elements). ``k_cache``/``v_cache``: flat uint8
@@ -395,7 +397,7 @@ def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_
         k_start = page * k_block_stride_bytes + offset * n
         k_cache[k_start:k_start + n] = encode_k(key_flat[t * key_stride:t * key_stride + n], k_scale)
 
-        data, scales = encode_v(value_flat[t * value_stride:t * value_stride + n], bits)
+        data, scales = encode_v(value_flat[t * value_stride:t * value_stride + n], bits, encoder)
         page_start = page * v_block_stride_bytes
         data_start = page_start + offset * row_data_bytes
         scale_start = page_start + v_data_section_bytes + offset * row_scale_bytes
