@@ -223,7 +223,7 @@ def test_struct_mirror_matches_c_layout(tag, c_struct_layout):
 
 # The fields each version after the first appended, in header order (version 1 = library 0.1).
 ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_encoder"]],
-                "fp8kturbov_decode_params": [["num_blocks", "error_flags"]],
+                "fp8kturbov_decode_params": [["num_blocks", "error_flags"], ["sinks", "soft_cap"]],
                 "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]]}
 
 
@@ -344,7 +344,7 @@ def test_reference_sizes_match_c():
 # ---- The eight entry points ---------------------------------------------------------------------------
 # Required pointers (the optional decode workspace and checked-mode error word excluded).
 POINTER_FIELDS = {op: [name for type_, name in header_struct(f"fp8kturbov_{op}_params")
-                       if type_.endswith("*") and name not in ("workspace", "error_flags")]
+                       if type_.endswith("*") and name not in ("workspace", "error_flags", "sinks")]
                   for op in ("write", "decode")}
 FAKE_BASE = 0x7F00_0000_0000  # 16-aligned addresses that are only passed where nothing is launched
 
@@ -876,6 +876,31 @@ def test_write_accepts_each_v_encoder(v_encoder):
 def test_write_refuses_an_unknown_v_encoder(v_encoder):
     expect_failure(WRITE_ENTRY, WRITE_ENTRY.valid_args() | {"v_encoder": v_encoder}, Status.INVALID_VALUE,
                    [f"v_encoder = {v_encoder}"])
+
+
+@pytest.mark.parametrize("soft_cap", [math.nan, math.inf, -1.0, -1e-30])
+def test_decode_refuses_a_soft_cap_not_finite_and_non_negative(soft_cap):
+    entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")
+    expect_failure(entry, entry.valid_args() | {"soft_cap": soft_cap}, Status.INVALID_VALUE, ["soft_cap = "])
+
+
+@only_without_gpu
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_decode_sinks_must_be_4_byte_aligned(offset):
+    entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")
+    args = checked_args(entry, sinks=WORD + offset)
+    expect_failure(entry, args, MISALIGNED, [f"sinks = {args['sinks']:#x}", "4-byte aligned"])
+
+
+def test_v2_decode_struct_reads_sinks_and_soft_cap_as_off():
+    """A decode struct of library 0.2: sinks and soft_cap past it are not read."""
+    entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")
+    v2_size = old_struct_sizes("decode")[1]
+    args = entry.valid_args() | {"soft_cap": math.nan, "sinks": WORD + 1}
+    assert call_with_struct_size(entry, args, v2_size) == Status.SUCCESS, last_error()
+    params, _mapping = struct_before_an_unreadable_page(params_struct(entry, args, v2_size), v2_size)
+    assert lib.fp8kturbov_paged_decode_attn(params, None) == Status.SUCCESS, last_error()
+    assert call_with_struct_size(entry, args, ctypes.sizeof(_lib.DecodeParams)) == Status.INVALID_VALUE
 
 
 def test_v2_write_struct_reads_v_encoder_as_matched_norm():

@@ -353,7 +353,22 @@ def test_decode_passes_shapes_strides_defaults_and_returns_out(make, launches):
                       seq_lens=args["seq_lens"].ptr, max_blocks_per_seq=MAX_BLOCKS, num_seqs=S,
                       num_q_heads=HQ, inv_sqrt_d=D ** -0.5, k_scale=K_SCALE, q_stride=HQ * D + 8, sliding_window=7,
                       sparse_v_threshold=1e-3, workspace=workspace.ptr, workspace_bytes=4000,
-                      stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+                      sinks=0, soft_cap=0.0, stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+
+
+def test_decode_passes_sinks_and_soft_cap(make, launches):
+    args = decode_args(make)
+    sinks = make((HQ,), "float32")
+    fp8kturbov.paged_decode(cache=make_cache(), sinks=sinks, soft_cap=30.0, **args)
+    kw = launched(launches, "paged_decode_attn")
+    assert (kw["sinks"], kw["soft_cap"]) == (sinks.ptr, 30.0)
+
+
+@pytest.mark.parametrize("shape, dtype", [((HQ + 1,), "float32"), ((HQ,), "bfloat16"), ((1, HQ), "float32")])
+def test_decode_refuses_sinks_of_another_shape_or_dtype(make, launches, shape, dtype):
+    with pytest.raises(fp8kturbov.ArgumentError, match="sinks"):
+        fp8kturbov.paged_decode(cache=make_cache(), sinks=make(shape, dtype), **decode_args(make))
+    assert not any(name == "paged_decode_attn" for name, *_ in launches)
 
 
 def test_decode_explicit_scalars_and_no_workspace(launches):

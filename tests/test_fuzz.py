@@ -91,17 +91,18 @@ STRUCTS = {"write": _lib.WriteParams, "decode": _lib.DecodeParams}
 FIELD_TYPES = {op: dict(s._fields_) for op, s in STRUCTS.items()}
 # Pointer fields in header order.
 ALL_POINTERS = {op: [n for n, t in s._fields_ if t is ctypes.c_void_p] for op, s in STRUCTS.items()}
-# Required pointers in header order (the optional decode workspace and checked-mode error word
-# excluded).
-POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags")]
+# Required pointers in header order (the optional decode workspace and sinks and the checked-mode
+# error word excluded).
+POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags", "sinks")]
             for op, names in ALL_POINTERS.items()}
 WORK = {"write": "num_tokens", "decode": "num_seqs"}
 # FP8KTURBOV_<OP>_PARAMS_V<n>_SIZE: the earlier versions of the structs, still accepted; version 1
 # is the struct before the checked-mode fields.
 OLD_SIZES = {op: old_struct_sizes(op) for op in STRUCTS}
 V1_SIZES = {op: sizes[0] for op, sizes in OLD_SIZES.items()}
-# How the library reads a version-1 struct's tail (unchecked, the default V encoder).
-UNCHECKED = {"num_blocks": 0, "error_flags": 0, "v_encoder": 0}
+# How the library reads a version-1 struct's tail (unchecked, the default V encoder, no sinks, no
+# soft-capping).
+UNCHECKED = {"num_blocks": 0, "error_flags": 0, "v_encoder": 0, "sinks": 0, "soft_cap": 0.0}
 FIXED_PARAMS = {"write": _fixed_launcher_params("FP8KTURBOV_DECLARE_WRITE"),
                 "decode": _fixed_launcher_params("FP8KTURBOV_DECLARE_DECODE")}
 assert all(names[-1] == "stream" for names in FIXED_PARAMS.values()), FIXED_PARAMS
@@ -235,6 +236,8 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
                V, "underflows")
         sparse = f32(get("sparse_v_threshold", 1e-3))
         e.rule(not (math.isfinite(sparse) and sparse >= 0), V, "sparse_v_threshold = ")
+        soft_cap = f32(get("soft_cap", 0.0))
+        e.rule(not (math.isfinite(soft_cap) and soft_cap >= 0), V, "soft_cap = ")
         shape_ok = bits_ok and hd_built and nkv > 0 and bs > 0 and 0 < nq <= 65535 and nq % nkv == 0
         k_stride = get("k_block_stride_bytes") or bs * row  # 0 = packed
     # FORMAT §2, §3: the pages hold what the shape needs, K pages and the K pool 16-byte aligned.
@@ -258,6 +261,7 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         e.rule(True, NULL, f"{nulls[0]} is NULL")
         # Checked mode (the workspace query ignores it): the error word, NULL here as well.
         e.rule(get("num_blocks") > 0 and not get("error_flags"), NULL, "error_flags is NULL")
+        e.rule(op == "decode" and get("sinks") % 4 != 0, MIS, "sinks = ")
     return e
 
 
@@ -349,6 +353,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                     sliding_window=draw(st.one_of(st.sampled_from(U32_EDGES), st.integers(0, U32_MAX))),
                     k_block_stride_bytes=draw(st.sampled_from([0, k_page, k_page + 16])),
                     sparse_v_threshold=draw(st.floats(0.0, FLT_MAX, width=32)),
+                    soft_cap=draw(st.one_of(st.just(0.0), st.floats(0.0, FLT_MAX, width=32))),
                     workspace_bytes=draw(st.sampled_from(U64_EDGES)))
     return {name: args[name] for name in entry.names}
 

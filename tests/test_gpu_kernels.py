@@ -170,17 +170,19 @@ class DecodeCase:
         q = rng.standard_normal((self.num_seqs, self.q_stride)).astype(np.float32) * q_gain
         self.q = q.astype(BF16)
 
-    def reference(self, sparse_v_threshold=0.0):
+    def reference(self, sparse_v_threshold=0.0, *, sinks=None, soft_cap=0.0):
         return ref.paged_decode(
             self.q, self.k_pool, self.v_pool, self.block_tables, self.seq_lens,
             self.max_blocks_per_seq, self.num_seqs, self.num_q_heads, self.num_kv_heads,
             self.head_dim, self.block_size, self.inv_sqrt_d, self.k_scale, self.q_stride,
             self.v_stride, self.v_data, self.window, self.bits,
-            k_block_stride_bytes=self.k_stride, sparse_v_threshold=sparse_v_threshold)
+            k_block_stride_bytes=self.k_stride, sparse_v_threshold=sparse_v_threshold,
+            sinks=sinks, soft_cap=soft_cap)
 
-    def run(self, device, sparse_v_threshold, *, split=True):
+    def run(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
         """The kernel's output; with ``split`` the context is split over CTAs (workspace given,
-        poisoned), else each (sequence, KV head) runs in one CTA."""
+        poisoned), else each (sequence, KV head) runs in one CTA. ``sinks``: float32
+        [num_q_heads] or None; ``soft_cap``: 0 = off."""
         scalars = dict(
             max_blocks_per_seq=self.max_blocks_per_seq, num_seqs=self.num_seqs,
             num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
@@ -198,7 +200,8 @@ class DecodeCase:
             device.upload(self.q.view(np.uint16)), device.upload(self.k_pool),
             device.upload(self.v_pool), out, device.upload(self.block_tables),
             device.upload(self.seq_lens), workspace=workspace, workspace_bytes=workspace_bytes,
-            stream=device.stream, **scalars)
+            sinks=0 if sinks is None else device.upload(np.asarray(sinks, dtype=np.float32)),
+            soft_cap=soft_cap, stream=device.stream, **scalars)
         return device.download(out, poison).view(BF16).astype(np.float64)
 
 
@@ -219,6 +222,26 @@ def test_decode_matches_float64_reference(device, rng, bits, head_dim, group_siz
     want = case.reference()
     assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
     assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
+    err = relative_error_per_head(got, want)
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("options", ["sinks", "soft_cap", "both"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_decode_sinks_and_soft_cap_match_reference(device, rng, bits, head_dim, options, split):
+    """Sinks around the scores' range (some dominate their row) and a cap that bends the largest
+    scores (with the cap, q is scaled up so that scores reach several caps); seq_len 0 still gives
+    zeros."""
+    case = DecodeCase(rng, bits, head_dim, 4, 40, q_gain=1.0 if options == "sinks" else 8.0)
+    sinks = (rng.standard_normal(case.num_q_heads) * 4).astype(np.float32) if options != "soft_cap" else None
+    soft_cap = 5.0 if options != "sinks" else 0.0
+    got = case.run(device, 0.0, split=split, sinks=sinks, soft_cap=soft_cap)
+    want = case.reference(sinks=sinks, soft_cap=soft_cap)
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
+    assert not np.allclose(want, case.reference(), atol=1e-3), "the options changed nothing: the test proves nothing"
     err = relative_error_per_head(got, want)
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 

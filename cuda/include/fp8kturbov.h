@@ -95,7 +95,8 @@ typedef enum fp8kturbov_index_error {
 
 /* struct_size: each params struct accepts the size of this header's struct and those of its
  * earlier versions (FP8KTURBOV_*_PARAMS_V1_SIZE: library 0.1, without the checked-mode fields;
- * FP8KTURBOV_WRITE_PARAMS_V2_SIZE: library 0.2, without v_encoder), whose missing fields read as 0. */
+ * FP8KTURBOV_{WRITE,DECODE}_PARAMS_V2_SIZE: library 0.2, without v_encoder / sinks and soft_cap),
+ * whose missing fields read as 0. */
 
 /* ---- V encoders ------------------------------------------------------------------------------ */
 /* How the write chooses a group's codes and scale byte; the bytes format and the decoder are the
@@ -191,6 +192,11 @@ FP8KTURBOV_DECLARE_WRITE(4)
  *  sparse_v_threshold  (params only) the V row of a position whose unnormalised weight
  *                exp(score - running max) is <= the threshold may be skipped (it still counts in
  *                the denominator). 0 = exact; the fixed-argument launchers use 1e-3.
+ *  sinks         (params only) NULL, or device float32 [num_q_heads]: one logit per query head, in
+ *                score units (after inv_sqrt_d and soft_cap), that joins the softmax denominator
+ *                only: out = sum_p e^(s_p - m) v_p / (sum_p e^(s_p - m) + e^(sink_h - m)).
+ *  soft_cap      (params only) > 0: every score becomes soft_cap * tanh(score / soft_cap) before
+ *                the softmax (logit soft-capping); 0 = off. Finite.
  *  workspace     (params only) caller-owned device scratch of workspace_bytes bytes, 16-byte
  *                aligned. With enough of it (fp8kturbov_paged_decode_workspace_bytes) the context
  *                is split across CTAs so that few sequences still fill the GPU, and a second
@@ -227,8 +233,11 @@ typedef struct fp8kturbov_decode_params {
   uint64_t workspace_bytes;
   uint64_t num_blocks;   /* checked mode: pages per pool; 0 = unchecked */
   uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
+  const float* sinks;    /* NULL = no sinks; 4-byte aligned */
+  float soft_cap;        /* >= 0; 0 = off */
 } fp8kturbov_decode_params_t;
 #define FP8KTURBOV_DECODE_PARAMS_V1_SIZE 144
+#define FP8KTURBOV_DECODE_PARAMS_V2_SIZE 160
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, sparse_v_threshold = 1e-3,
  * everything else zero). */

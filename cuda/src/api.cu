@@ -133,7 +133,7 @@ fp8kturbov_status_t read_params(const char* entry, const Params* params,
 }
 constexpr size_t kWriteParamsVersions[] = {FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8KTURBOV_WRITE_PARAMS_V2_SIZE};
 constexpr size_t kDequantizeParamsVersions[] = {FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE};
-constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE};
+constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE, FP8KTURBOV_DECODE_PARAMS_V2_SIZE};
 static_assert(offsetof(fp8kturbov_write_params_t, num_blocks) == FP8KTURBOV_WRITE_PARAMS_V1_SIZE,
               "the version-1 write struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_write_params_t, v_encoder) == FP8KTURBOV_WRITE_PARAMS_V2_SIZE,
@@ -142,6 +142,8 @@ static_assert(offsetof(fp8kturbov_dequantize_params_t, num_blocks) == FP8KTURBOV
               "the version-1 dequantize struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_decode_params_t, num_blocks) == FP8KTURBOV_DECODE_PARAMS_V1_SIZE,
               "the version-1 decode struct ends where the checked-mode fields begin");
+static_assert(offsetof(fp8kturbov_decode_params_t, sinks) == FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
+              "the version-2 decode struct ends where sinks begins");
 
 // Checked mode (num_blocks > 0) needs the device word it reports to; called where the entry's
 // other pointers are checked.
@@ -369,6 +371,9 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "sparse_v_threshold = %g must be finite and >= 0", double(p.sparse_v_threshold));
+  if (!std::isfinite(p.soft_cap) || p.soft_cap < 0.0f)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "soft_cap = %g must be finite and >= 0",
+                double(p.soft_cap));
   *k_block_stride_bytes =
       p.k_block_stride_bytes != 0 ? p.k_block_stride_bytes : k_page_bytes(p.block_size, row_elems);
   FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
@@ -499,6 +504,9 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   }
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(check_index_check(entry, p, &index_check));
+  if (reinterpret_cast<uintptr_t>(p.sinks) % alignof(float) != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "sinks = %p is not 4-byte aligned",
+                static_cast<const void*>(p.sinks));
   int multiprocessors = 0, ctas_per_sm = 0;
   const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
@@ -529,7 +537,9 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                         decode_v_code_copy_bytes(reinterpret_cast<uintptr_t>(p.v_cache),
                                                  p.v_block_stride_bytes,
                                                  v_data_section_bytes(1, row_elems, p.v_bits)),
-                        index_check};
+                        index_check,
+                        p.sinks,
+                        p.soft_cap};
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)

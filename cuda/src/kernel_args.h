@@ -72,6 +72,8 @@ struct DecodeArgs {
   float sparse_v_threshold;
   uint32_t v_code_copy_bytes;  // 16, 8 or 4: the widest V copy the pool address and strides allow
   IndexCheck index_check;
+  const float* sinks;  // [num_q_heads] logits joining the denominator, or nullptr
+  float soft_cap;      // > 0: scores soft-capped, 0: off
 };
 
 template <int BITS>

@@ -186,8 +186,26 @@ __device__ __forceinline__ void split_position(const DecodeArgs& a, uint32_t pos
   offset = pos - block * a.block_size;
 }
 
-// o / l, with l = 0 (no attended position) giving 0 (FORMAT §5) and a NaN l staying NaN.
-__device__ __forceinline__ float normalize(float o, float l) { return l == 0.0f ? 0.0f : o / l; }
+// The output o / l of a head whose maximum score is m (log2 domain), with l = 0 (no attended
+// position) giving 0 (FORMAT §5) and a NaN l staying NaN. An attention sink (logit sink2, log2
+// domain; -inf = none) joins the denominator: o·2^(m−M) / (l·2^(m−M) + 2^(sink2−M)), M = max(m, sink2).
+__device__ __forceinline__ float normalize(float o, float l, float m, float sink2) {
+  if (sink2 == -INFINITY) return l == 0.0f ? 0.0f : o / l;
+  const float top = fmaxf(m, sink2);
+  const float scale = exp2f(m - top);  // 0 where nothing was attended (m = -inf)
+  return o * scale / (l * scale + exp2f(sink2 - top));
+}
+
+// The sink logit of query head `head` in the log2 domain, or -inf without sinks.
+__device__ __forceinline__ float sink_log2(const DecodeArgs& a, uint64_t head) {
+  return a.sinks == nullptr ? -INFINITY : a.sinks[head] * kLog2e;
+}
+
+// tanh(x) for logit soft-capping: 1 − 2 / (e^(2x) + 1), exact to a few float ulps in absolute
+// terms (which is what a score needs) and ±1 for large |x|.
+__device__ __forceinline__ float soft_cap_tanh(float x) {
+  return 1.0f - __fdividef(2.0f, exp2f(x * (2.0f * kLog2e)) + 1.0f);
+}
 
 // ---- The kernel --------------------------------------------------------------------------------
 
@@ -353,8 +371,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   } else {
     __syncthreads();
   }
-  // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e).
+  // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e), or with soft-capping
+  // s2 = cap · tanh((q·k) · k_scale · inv_sqrt_d / cap) · log2(e).
   const float score_to_log2 = a.score_scale * kLog2e / q_gain;
+  const float score_per_cap = a.soft_cap > 0.0f ? a.score_scale / q_gain / a.soft_cap : 0.0f;
+  const float cap_log2 = a.soft_cap * kLog2e;
 
   // The tile loop and the epilogue, in two instances: with tiles masked where checked mode found a
   // page out of range, and without, which every other CTA runs (all of them when unchecked).
@@ -579,13 +600,20 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         row_valid[0] = row_valid[0] && !((masked >> g) & 1);
         row_valid[1] = row_valid[1] && !((masked >> (g + 8)) & 1);
       }
+      if (a.soft_cap > 0.0f) {  // a branch the whole CTA takes or not
+  #pragma unroll
+        for (int r = 0; r < 4; ++r) s[r] = cap_log2 * soft_cap_tanh(s[r] * score_per_cap);
+      } else {
+  #pragma unroll
+        for (int r = 0; r < 4; ++r) s[r] *= score_to_log2;
+      }
       float p[4];
       float alpha[2];
       bool all_small = true;
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const float s0 = row_valid[0] ? s[c] * score_to_log2 : -INFINITY;
-        const float s1 = row_valid[1] ? s[2 + c] * score_to_log2 : -INFINITY;
+        const float s0 = row_valid[0] ? s[c] : -INFINITY;
+        const float s1 = row_valid[1] ? s[2 + c] : -INFINITY;
         float tile_max = fmaxf(s0, s1);
   #pragma unroll
         for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
@@ -703,7 +731,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       }
       const uint64_t row = uint64_t(seq) * a.num_q_heads + first_head + h;
       if (plan.num_splits == 1) {
-        a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
+        const float out = normalize(o, l, m, sink_log2(a, first_head + h));
+        a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(out));
       } else {
         float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
         part[d] = o;
@@ -760,7 +789,8 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   float o = 0.0f;
 #pragma unroll 8
   for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
-  a.output[row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(normalize(o, l)));
+  const float out = normalize(o, l, m, sink_log2(a, row % a.num_q_heads));
+  a.output[row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
 }
 
 template <int BITS, int HEAD_DIM>

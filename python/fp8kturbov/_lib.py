@@ -94,6 +94,8 @@ class DecodeParams(ctypes.Structure):
         ("workspace_bytes", _u64),
         ("num_blocks", _u64),
         ("error_flags", _ptr),
+        ("sinks", _ptr),
+        ("soft_cap", _f32),
     ]
 
 

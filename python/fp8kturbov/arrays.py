@@ -801,7 +801,7 @@ def _v_encoder(v_encoder: Any) -> VEncoder:
 def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, out: Any = None,
                  inv_sqrt_d: float | None = None, sliding_window: int = 0,
                  sparse_v_threshold: float = 1e-3, workspace: Any = None,
-                 stream: Any = None) -> Any:
+                 sinks: Any = None, soft_cap: float = 0.0, stream: Any = None) -> Any:
     """Paged decode attention over the cache (docs/format.md §5); returns ``out``.
 
     ``q``: bf16 ``[num_seqs, num_q_heads, head_dim]``, heads contiguous, any row stride (ELEMENTS)
@@ -813,13 +813,16 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     ``workspace``: any contiguous writable device array (its size in BYTES is passed), e.g. from
     :meth:`KVCache.decode_workspace`; None runs unsplit. On a checked cache, block-table entries
     outside ``layout.num_blocks`` pages are left out and out-of-range seq_lens clamped, both
-    reported (:meth:`KVCache.check_errors`). Streams: see the module docstring.
+    reported (:meth:`KVCache.check_errors`). ``sinks``: float32 ``[num_q_heads]``, contiguous,
+    one attention-sink logit per query head (in score units), joining the softmax denominator
+    only; None for none. ``soft_cap`` > 0: scores become ``soft_cap·tanh(score / soft_cap)``; 0 is
+    off. Streams: see the module docstring.
     """
     layout = _open(cache).layout
     if out is None:
         out = _new_output(q)
     call = _Call.gather(stream, q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
-                        workspace=workspace)
+                        workspace=workspace, sinks=sinks)
     q_array, heads, dim = call["q"], layout.num_kv_heads, layout.head_dim
     _check_array(q_array, "bfloat16", (None, None, dim), f"[num_seqs, num_q_heads, {dim}]",
                  dense_from=1)
@@ -828,6 +831,8 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
         raise ArgumentError("q", f"{num_q_heads} query heads",
                             f"a positive multiple of the cache's num_kv_heads = {heads}")
     q_stride = _row_stride(q_array, num_q_heads * dim)
+    if call.get("sinks") is not None:
+        _check_array(call["sinks"], "float32", (num_q_heads,), f"[{num_q_heads}] (num_q_heads)")
     _check_array(call["block_tables"], "int32", (num_seqs, None),
                  f"[{num_seqs} (num_seqs), max_blocks_per_seq]")
     _check_array(call["seq_lens"], "int32", (num_seqs,), f"[{num_seqs}] (num_seqs)")
@@ -848,6 +853,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
             sparse_v_threshold=sparse_v_threshold,
             workspace=scratch.ptr if scratch is not None else 0,
             workspace_bytes=scratch.nbytes if scratch is not None else 0,
+            sinks=call["sinks"].ptr if call.get("sinks") is not None else 0, soft_cap=soft_cap,
             stream=call.stream, **cache._layout_args(), **cache._checked_args())
     return out
 

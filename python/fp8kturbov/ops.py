@@ -146,9 +146,12 @@ def paged_decode_attn(
     v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
     k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
     workspace: int = 0, workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0,
-    stream: Any = None,
+    sinks: int = 0, soft_cap: float = 0.0, stream: Any = None,
 ) -> None:
     """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
+
+    ``sinks``: device address of float32 ``[num_q_heads]`` attention-sink logits (0 = none);
+    ``soft_cap`` > 0 soft-caps the scores (``cap · tanh(score / cap)``), 0 is off.
 
     ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact.
     ``workspace`` is a device buffer of ``workspace_bytes`` bytes (see
