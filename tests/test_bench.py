@@ -61,6 +61,9 @@ def test_default_config_is_the_issue_table():
     ({"warmup": -1}, "warmup"),
     ({"ops": ("prefill",)}, "op 'prefill'"),
     ({"sparse_v_threshold": -1.0}, "sparse_v_threshold"),
+    ({"v_encoder": "MSE"}, "v_encoder 'MSE'"),
+    ({"soft_cap": -1.0}, "soft_cap"),
+    ({"soft_cap": float("inf")}, "soft_cap"),
 ])
 def test_config_rejects(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -280,16 +283,18 @@ def test_report_has_the_table_ceiling_floor_and_context():
     assert not any("timing gate" in line for line in lines)
 
 
-def test_report_names_the_mode():
+def test_report_names_the_mode_and_the_options():
     assert ", unchecked;" in bench.format_report(fake_rows(), DEVICE, bench.Config())
     assert ", checked mode;" in bench.format_report(fake_rows(), DEVICE, bench.Config(checked=True))
+    config = bench.Config(v_encoder="mse", soft_cap=30.0, sinks=True)
+    assert ", unchecked, V encoder mse, soft cap 30, sinks;" in bench.format_report(fake_rows(), DEVICE, config)
 
 
 class FakeMemoryDevice:
-    """Records the allocations and memsets of `bench.index_check`."""
+    """Records the allocations, memsets and uploads of `bench.launch_options`."""
 
     def __init__(self) -> None:
-        self.allocs, self.memsets = [], []
+        self.allocs, self.memsets, self.uploads = [], [], []
 
     def alloc(self, nbytes: int) -> int:
         self.allocs.append(nbytes)
@@ -298,17 +303,35 @@ class FakeMemoryDevice:
     def memset(self, address: int, value: int, nbytes: int) -> None:
         self.memsets.append((address, value, nbytes))
 
+    def upload(self, host: np.ndarray) -> int:
+        self.uploads.append(host.copy())
+        return 0x9000 + len(self.uploads)
 
-def test_index_check_gives_each_set_a_zeroed_word_in_checked_mode():
+
+DECODE_SHAPE = bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16)
+WRITE_SHAPE = bench.Shape("write", 3, 16, 0, 128, 32, 8, 16)
+
+
+def test_launch_options_give_each_set_a_zeroed_word_in_checked_mode():
     layout = bench.CacheLayout(37, 16, 8, 128, 3)
     dev = FakeMemoryDevice()
-    assert bench.index_check(dev, layout, bench.Config()) == {}
-    assert dev.allocs == [] and dev.memsets == []
-    first = bench.index_check(dev, layout, bench.Config(checked=True))
-    second = bench.index_check(dev, layout, bench.Config(checked=True))
+    assert bench.launch_options(dev, DECODE_SHAPE, layout, bench.Config()) == {}
+    assert bench.launch_options(dev, WRITE_SHAPE, layout, bench.Config()) == {}
+    assert dev.allocs == [] and dev.memsets == [] and dev.uploads == []
+    first = bench.launch_options(dev, DECODE_SHAPE, layout, bench.Config(checked=True))
+    second = bench.launch_options(dev, WRITE_SHAPE, layout, bench.Config(checked=True))
     assert first == {"num_blocks": 37, "error_flags": 0x1000}
     assert second == {"num_blocks": 37, "error_flags": 0x2000}
     assert dev.allocs == [4, 4] and dev.memsets == [(0x1000, 0, 4), (0x2000, 0, 4)]
+
+
+def test_launch_options_of_the_decode_and_the_write():
+    layout = bench.CacheLayout(37, 16, 8, 128, 3)
+    dev = FakeMemoryDevice()
+    config = bench.Config(v_encoder="mse", soft_cap=30.0, sinks=True)
+    assert bench.launch_options(dev, DECODE_SHAPE, layout, config) == {"sinks": 0x9001, "soft_cap": 30.0}
+    assert dev.uploads[0].dtype == np.float32 and np.array_equal(dev.uploads[0], np.zeros(32))
+    assert bench.launch_options(dev, WRITE_SHAPE, layout, config) == {"v_encoder": fp8kturbov.VEncoder.MSE}
 
 
 def test_table_columns_align():
@@ -357,12 +380,12 @@ def test_cli_options_become_a_config():
     args = build_parser().parse_args(
         ["bench", "--op", "decode", "--shapes", "1x32768,8x8k", "--bits", "3", "--head-dim",
          "128,256", "--q-heads", "16", "--kv-heads", "4", "--block-size", "32", "--iters", "50",
-         "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--checked", "--no-peers",
-         "--json", "out.json", "--plot", "out.png"])
+         "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--checked", "--v-encoder",
+         "mse", "--soft-cap", "30", "--sinks", "--no-peers", "--json", "out.json", "--plot", "out.png"])
     assert config_from_args(args) == bench.Config(
         ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
         num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
-        sparse_v_threshold=0.0, checked=True, peers=False)
+        sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True, peers=False)
     assert (args.json, args.plot) == ("out.json", "out.png")
     assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
 

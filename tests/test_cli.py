@@ -407,21 +407,23 @@ def host_gpu(monkeypatch):
     dev.corrupt = lambda what, array: None
     mem = dev.memory
 
-    def write(shape, layout, k_scale, buffers, stream):
+    def write(shape, layout, k_scale, buffers, stream, options=None):
         n = layout.row_elems
+        encoder = (options or {}).get("v_encoder", fp8kturbov.VEncoder.MATCHED_NORM).name.lower()
         ref.write_cache(mem[buffers.key].view(bf16), mem[buffers.value].view(bf16),
                         mem[buffers.k_cache], mem[buffers.v_cache], mem[buffers.slot_mapping],
                         shape.batch, layout.num_kv_heads, layout.head_dim, layout.block_size, n, n,
                         k_scale, layout.k_block_stride_bytes, layout.v_block_stride_bytes,
-                        layout.v_data_section_bytes, layout.v_bits)
+                        layout.v_data_section_bytes, layout.v_bits, encoder=encoder)
         dev.corrupt("v_pool", mem[buffers.v_cache])
 
     def decode(scalars, buffers, stream):
         scalars = dict(scalars)
+        sinks = mem[scalars.pop("sinks")] if "sinks" in scalars else None
         out = ref.paged_decode(mem[buffers.q].view(bf16), mem[buffers.k_cache],
                                mem[buffers.v_cache], mem[buffers.block_tables],
                                mem[buffers.seq_lens], bits=scalars.pop("v_bits"),
-                               sliding_window=0, **scalars)
+                               sliding_window=0, sinks=sinks, **scalars)
         dev.corrupt("output", out)
         mem[buffers.output][...] = out.astype(bf16).view(np.uint16)
 
@@ -433,6 +435,45 @@ def host_gpu(monkeypatch):
     monkeypatch.setattr(bench, "time_launches",
                         lambda d, launches, iters, warmup: bench.Timing.of([2.5] * iters))
     return dev
+
+
+def test_demo_options_reach_the_case():
+    args = cli.build_parser().parse_args([*SMALL_DEMO, "--v-encoder", "mse", "--soft-cap", "20", "--sinks"])
+    case = demo.build_demo_case(args)
+    assert (case.v_encoder, case.soft_cap) == ("mse", 20.0)
+    assert case.sinks.dtype == np.float32 and case.sinks.shape == (8,) and np.all(np.isfinite(case.sinks))
+    assert demo.build_demo_case(cli.build_parser().parse_args(SMALL_DEMO)).sinks is None
+    with pytest.raises(ValueError, match="--soft-cap"):
+        demo.build_demo_case(cli.build_parser().parse_args([*SMALL_DEMO, "--soft-cap", "-1"]))
+
+
+def test_exact_attention_applies_the_soft_cap_and_the_sinks():
+    """Exact attention with options against the reference's float64 decode over unquantised
+    values: K and V given as float32 bf16-exact rows, one page per sequence."""
+    args = cli.build_parser().parse_args([*SMALL_DEMO, "--soft-cap", "0.5", "--sinks"])
+    case = demo.build_demo_case(args)
+    plain = demo.exact_attention(demo.build_demo_case(cli.build_parser().parse_args(SMALL_DEMO)))
+    with_options = demo.exact_attention(case)
+    assert not np.allclose(with_options, plain, atol=1e-3), "the options changed nothing"
+    # One sequence, one head, by hand: scores capped, the sink in the denominator.
+    s, h = 1, 5
+    group = case.q.shape[1] // case.keys.shape[1]
+    start, length = int(case.starts[s]), int(case.seq_lens[s])
+    k = case.keys[start:start + length, h // group].astype(np.float64)
+    v = case.values[start:start + length, h // group].astype(np.float64)
+    scores = k @ case.q[s, h].astype(np.float64) * case.keys.shape[2] ** -0.5
+    scores = 0.5 * np.tanh(scores / 0.5)
+    top = max(scores.max(), float(case.sinks[h]))
+    weights = np.exp(scores - top)
+    want = weights @ v / (weights.sum() + np.exp(float(case.sinks[h]) - top))
+    np.testing.assert_allclose(with_options[s, h], want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("options", [["--v-encoder", "mse"], ["--soft-cap", "3", "--sinks"]],
+                         ids=["mse_encoder", "soft_cap_and_sinks"])
+def test_demo_gpu_path_with_options_passes_when_the_kernels_agree(host_gpu, capsys, options):
+    assert cli.main([*SMALL_DEMO, "--iters", "3", *options]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS: the kernels match the reference")
 
 
 def test_demo_gpu_path_passes_when_the_kernels_agree(host_gpu, capsys):

@@ -83,6 +83,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checked", action="store_true",
                         help="run the library's launches in checked mode (pool capacity and an "
                         "error word), to measure its cost")
+    parser.add_argument("--v-encoder", choices=bench.V_ENCODER_NAMES, default=d.v_encoder,
+                        help=f"the write's V encoder (default: {d.v_encoder})")
+    parser.add_argument("--soft-cap", type=float, metavar="CAP", default=d.soft_cap,
+                        help="decode with logit soft-capping at CAP (default: off)")
+    parser.add_argument("--sinks", action="store_true", help="decode with attention sinks")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
     parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
@@ -97,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         bits=args.bits, head_dims=args.head_dim, num_q_heads=args.q_heads,
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
-        checked=args.checked, peers=not args.no_peers, seed=args.seed)
+        checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
+        peers=not args.no_peers, seed=args.seed)
 
 
 def _error(message: str, command: str = "bench") -> None:
@@ -214,6 +220,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         "seq_lens and q [num_seqs, q_heads, head_dim] where present")
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=1e-3,
                         help="decode's sparse-V threshold, 0 = exact (default: 1e-3)")
+    parser.add_argument("--v-encoder", choices=bench.V_ENCODER_NAMES, default="matched_norm",
+                        help="the write's V encoder (default: matched_norm)")
+    parser.add_argument("--soft-cap", type=float, metavar="CAP", default=0.0,
+                        help="decode with logit soft-capping at CAP (default: off)")
+    parser.add_argument("--sinks", action="store_true",
+                        help="decode with attention sinks (random logits, N(0, 4), per query head)")
     parser.add_argument("--iters", type=count, metavar="N", default=20,
                         help="timed runs per kernel; the median is reported (default: 20)")
     parser.add_argument("--cpu", action="store_true",

@@ -57,8 +57,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import (CacheLayout, paged_decode_attn, paged_decode_workspace_bytes, reshape_and_cache,
-               version)
+from . import (CacheLayout, VEncoder, paged_decode_attn, paged_decode_workspace_bytes,
+               reshape_and_cache, version)
 from ._device import BenchError, Device, cu, driver_call, first_line
 
 GiB = 1 << 30
@@ -67,6 +67,7 @@ DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
 DEFAULT_WRITE_TOKENS: tuple[int, ...] = (1, 16, 128, 32768)
 OPS = ("decode", "write")
 V_BITS = (2, 3, 4)
+V_ENCODER_NAMES = tuple(encoder.name.lower() for encoder in VEncoder)
 E4M3_MAX = 448.0
 BF16_BYTES = 2
 COPY_ITERS, COPY_WARMUP = 30, 3
@@ -128,6 +129,9 @@ class Config:
     sets: int = 3  # input sets rotated among
     sparse_v_threshold: float = 1e-3
     checked: bool = False  # checked mode (pool capacity and an error word) on every launch
+    v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
+    soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
+    sinks: bool = False  # decode with attention sinks (zero logits)
     peers: bool = True
     copy_bytes: int = 2 * GiB  # one direction of the ceiling copy
     chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
@@ -149,6 +153,10 @@ class Config:
                             f"num_kv_heads = {self.num_kv_heads}")
         if not self.sparse_v_threshold >= 0:
             problems.append(f"sparse_v_threshold = {self.sparse_v_threshold} must be >= 0")
+        if self.v_encoder not in V_ENCODER_NAMES:
+            problems.append(f"v_encoder {self.v_encoder!r} is not one of {V_ENCODER_NAMES}")
+        if not 0 <= self.soft_cap < float("inf"):
+            problems.append(f"soft_cap = {self.soft_cap} must be finite and >= 0")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -470,14 +478,23 @@ def decode_scalars(shape: Shape, layout: CacheLayout, k_scale: float,
                 sparse_v_threshold=sparse_v_threshold, **_page_strides(layout))
 
 
-def index_check(dev: Device, layout: CacheLayout, config: Config) -> dict[str, int]:
-    """The checked-mode arguments of one input set: the pools' page count and a zeroed error
-    word (none when ``config.checked`` is off)."""
-    if not config.checked:
-        return {}
-    word = dev.alloc(4)
-    dev.memset(word, 0, 4)
-    return {"num_blocks": layout.num_blocks, "error_flags": word}
+def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Config) -> dict[str, Any]:
+    """The optional arguments of one input set's launch: checked mode (the pools' page count and
+    a zeroed error word), the decode's sinks (zero logits) and soft cap, the write's V encoder;
+    only those ``config`` turns on."""
+    options: dict[str, Any] = {}
+    if config.checked:
+        word = dev.alloc(4)
+        dev.memset(word, 0, 4)
+        options.update(num_blocks=layout.num_blocks, error_flags=word)
+    if shape.op == "decode":
+        if config.sinks:
+            options["sinks"] = dev.upload(np.zeros(shape.num_q_heads, dtype=np.float32))
+        if config.soft_cap:
+            options["soft_cap"] = config.soft_cap
+    elif config.v_encoder != "matched_norm":
+        options["v_encoder"] = VEncoder[config.v_encoder.upper()]
+    return options
 
 
 def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) -> None:
@@ -489,13 +506,13 @@ def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) 
 
 
 def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: WriteBuffers,
-                 stream: Any, checks: dict[str, int] | None = None) -> None:
-    """The benchmark's one call of the library's cache write (``checks``: `index_check`)."""
+                 stream: Any, options: dict[str, Any] | None = None) -> None:
+    """The benchmark's one call of the library's cache write (``options``: `launch_options`)."""
     reshape_and_cache(
         buffers.key, buffers.value, buffers.k_cache, buffers.v_cache, buffers.slot_mapping,
         num_tokens=shape.batch, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
         block_size=shape.block_size, key_stride=shape.row_elems, value_stride=shape.row_elems,
-        k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout), **(checks or {}))
+        k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout), **(options or {}))
 
 
 def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
@@ -517,7 +534,7 @@ def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
             workspace_bytes=workspace_bytes)
         replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
         replicate(dev, buffers.v_cache, layout.v_pool_bytes, chunk.v_pages)
-        launch_scalars = {**scalars, **index_check(dev, layout, config)}
+        launch_scalars = {**scalars, **launch_options(dev, shape, layout, config)}
         enqueues.append(functools.partial(launch_decode, launch_scalars, buffers, dev.stream))
     return enqueues
 
@@ -538,7 +555,7 @@ def write_enqueues(dev: Device, shape: Shape, config: Config,
             k_cache=dev.alloc(layout.k_pool_bytes), v_cache=dev.alloc(layout.v_pool_bytes),
             slot_mapping=dev.upload(slots))
         enqueues.append(functools.partial(launch_write, shape, layout, k_scale, buffers, dev.stream,
-                                          index_check(dev, layout, config)))
+                                          launch_options(dev, shape, layout, config)))
     return enqueues
 
 
@@ -881,7 +898,7 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
         lines.append(f"launch floor: {_number(launch['median_us'], 2)} us ({launch['shape']})")
     lines.append(f"q_heads {config.num_q_heads}, kv_heads {config.num_kv_heads}, block_size "
                  f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
-                 f"{'checked mode' if config.checked else 'unchecked'}; "
+                 f"{'checked mode' if config.checked else 'unchecked'}{_options_text(config)}; "
                  f"median of {config.iters} graph replays rotating {config.sets} input sets; "
                  "L2: all sets fit in L2 together")
     if not device.get("timing_gate", True):
@@ -890,6 +907,13 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
                  f"{device.get('driver') or 'unknown'} (CUDA {device.get('cuda_driver_api')}) | "
                  f"{device.get('date')}")
     return "\n".join(lines)
+
+
+def _options_text(config: Config) -> str:
+    """The options that are on, for the report (nothing when all are off)."""
+    on = ([f"V encoder {config.v_encoder}"] if config.v_encoder != "matched_norm" else []) + \
+         ([f"soft cap {config.soft_cap:g}"] if config.soft_cap else []) + (["sinks"] if config.sinks else [])
+    return "".join(f", {text}" for text in on)
 
 
 def _reasons(rows: Iterable[dict[str, Any]]) -> list[str]:

@@ -10,13 +10,14 @@ gives the format's error against unquantised attention.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import CacheLayout, bench, paged_decode_workspace_bytes, planning
+from . import CacheLayout, VEncoder, bench, paged_decode_workspace_bytes, planning
 from ._device import BenchError, Device, cu, driver_call, first_line
 
 DEFAULT_SEQ_LENS = (2048, 1500, 640, 37)
@@ -49,6 +50,9 @@ class DemoCase:
     k_scale: float
     k_pool_init: np.ndarray  # uint8 [k_pool_bytes]: random poison both pools start from
     v_pool_init: np.ndarray  # uint8 [v_pool_bytes]
+    v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
+    soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
+    sinks: np.ndarray | None = None  # float32 [num_q_heads] attention-sink logits, or None
 
     @property
     def starts(self) -> np.ndarray:
@@ -75,9 +79,10 @@ class DemoCase:
                            self.q.shape[1], self.layout.num_kv_heads, self.layout.block_size)
 
     def decode_scalars(self, sparse_v_threshold: float) -> dict[str, Any]:
-        """The decode's scalar arguments (``inv_sqrt_d = head_dim ** -0.5``, dense q)."""
-        return bench.decode_scalars(self.shape("decode"), self.layout, self.k_scale,
-                                    sparse_v_threshold)
+        """The decode's scalar arguments (``inv_sqrt_d = head_dim ** -0.5``, dense q; the
+        sinks are not a scalar: see `run_kernels`)."""
+        return {**bench.decode_scalars(self.shape("decode"), self.layout, self.k_scale,
+                                       sparse_v_threshold), "soft_cap": self.soft_cap}
 
 
 def random_kv(rng: np.random.Generator, num_tokens: int, num_kv_heads: int,
@@ -149,7 +154,11 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
     q = given.get("q")
     if q is None:
         q = rng.standard_normal((len(seq_lens), args.q_heads, keys.shape[2]), dtype=np.float32)
-    return make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng)
+    if not 0 <= args.soft_cap < float("inf"):
+        raise ValueError(f"--soft-cap {args.soft_cap} must be finite and >= 0")
+    case = make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng)
+    sinks = (2 * rng.standard_normal(case.q.shape[1])).astype(np.float32) if args.sinks else None
+    return dataclasses.replace(case, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=sinks)
 
 
 def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -168,7 +177,8 @@ def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np
         ref.write_cache(case.keys[rows], case.values[rows], k_pool, v_pool, slots[rows],
                         int(case.seq_lens[s]), layout.num_kv_heads, layout.head_dim,
                         layout.block_size, n, n, case.k_scale, layout.k_block_stride_bytes,
-                        layout.v_block_stride_bytes, layout.v_data_section_bytes, layout.v_bits)
+                        layout.v_block_stride_bytes, layout.v_data_section_bytes, layout.v_bits,
+                        encoder=case.v_encoder)
     return k_pool, v_pool
 
 
@@ -180,12 +190,13 @@ def reference_decode(case: DemoCase, k_pool: np.ndarray, v_pool: np.ndarray,
     scalars = case.decode_scalars(sparse_v_threshold)
     bits = scalars.pop("v_bits")
     return ref.paged_decode(case.q, k_pool, v_pool, case.block_tables, case.seq_lens,
-                            bits=bits, sliding_window=0, **scalars)
+                            bits=bits, sliding_window=0, sinks=case.sinks, **scalars)
 
 
 def exact_attention(case: DemoCase) -> np.ndarray:
     """Attention over the unquantised bf16 K/V in float64, ``[num_seqs, num_q_heads, head_dim]``:
-    what the decode would give without the cache's quantisation."""
+    what the decode would give without the cache's quantisation (with the case's soft cap and
+    sinks)."""
     num_kv_heads, head_dim = case.keys.shape[1:]
     group = case.q.shape[1] // num_kv_heads
     out = np.zeros(case.q.shape, dtype=np.float64)
@@ -193,8 +204,14 @@ def exact_attention(case: DemoCase) -> np.ndarray:
         k, v = (x[start:start + length].astype(np.float64) for x in (case.keys, case.values))
         q = case.q[s].astype(np.float64).reshape(num_kv_heads, group, head_dim)
         scores = np.einsum("hgd,lhd->hgl", q, k) * head_dim ** -0.5
-        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        heads = np.einsum("hgl,lhd->hgd", weights, v) / weights.sum(axis=-1, keepdims=True)
+        if case.soft_cap > 0:
+            scores = case.soft_cap * np.tanh(scores / case.soft_cap)
+        sinks = (np.full((num_kv_heads, group, 1), -np.inf) if case.sinks is None
+                 else case.sinks.astype(np.float64).reshape(num_kv_heads, group, 1))
+        top = np.maximum(scores.max(axis=-1, keepdims=True), sinks)
+        weights = np.exp(scores - top)
+        denominator = weights.sum(axis=-1, keepdims=True) + np.exp(sinks - top)
+        heads = np.einsum("hgl,lhd->hgd", weights, v) / denominator
         out[s] = heads.reshape(-1, head_dim)
     return out
 
@@ -245,8 +262,11 @@ def run_kernels(dev: Device, case: DemoCase, sparse_v_threshold: float,
         seq_lens=dev.upload(case.seq_lens),
         workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
         workspace_bytes=workspace_bytes)
+    write_options = {"v_encoder": VEncoder[case.v_encoder.upper()]}
+    if case.sinks is not None:
+        scalars["sinks"] = dev.upload(case.sinks)
     launch_write = functools.partial(bench.launch_write, case.shape("write"), case.layout,
-                                     case.k_scale, write, dev.stream)
+                                     case.k_scale, write, dev.stream, write_options)
     launch_decode = functools.partial(bench.launch_decode, scalars, decode, dev.stream)
     launch_write()
     k_pool, v_pool = (_download(dev, address, like) for address, like in
