@@ -86,9 +86,14 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
     key = random_rows(rng, num_tokens, key_stride, n, hostile=True)
     value = random_rows(rng, num_tokens, value_stride, n, hostile=True)
     encoder = "mse" if entry == "mse" else "matched_norm"
-    if encoder == "mse":  # groups small enough that subnormal scale bytes win the search
+    if encoder == "mse":
+        # Groups small enough that subnormal scale bytes win the search, and groups so large that
+        # the squared errors of some or all candidate scales overflow float32.
         groups = value[:, :n].reshape(num_tokens, -1, 16)
-        groups[rng.random(groups.shape[:2]) < 0.05] *= BF16(2.0**-12)
+        pick = rng.random(groups.shape[:2])
+        groups[pick < 0.05] *= BF16(2.0**-12)
+        groups[(pick >= 0.05) & (pick < 0.08)] *= BF16(2.0**61)
+        groups[(pick >= 0.08) & (pick < 0.10)] *= BF16(2.0**64)
     slots = random_slots(rng, num_tokens, num_blocks * block_size)
     k_pool = random_pool(rng, num_blocks * k_stride)
     v_pool = random_pool(rng, num_blocks * v_stride)
