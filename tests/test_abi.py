@@ -223,7 +223,8 @@ def test_struct_mirror_matches_c_layout(tag, c_struct_layout):
 
 # The fields each version after the first appended, in header order (version 1 = library 0.1).
 ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_encoder"]],
-                "fp8kturbov_decode_params": [["num_blocks", "error_flags"], ["sinks", "soft_cap"]],
+                "fp8kturbov_decode_params": [["num_blocks", "error_flags"],
+                                             ["sinks", "soft_cap", "query_start", "max_q_len", "num_query_rows"]],
                 "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]]}
 
 
@@ -344,7 +345,7 @@ def test_reference_sizes_match_c():
 # ---- The eight entry points ---------------------------------------------------------------------------
 # Required pointers (the optional decode workspace and checked-mode error word excluded).
 POINTER_FIELDS = {op: [name for type_, name in header_struct(f"fp8kturbov_{op}_params")
-                       if type_.endswith("*") and name not in ("workspace", "error_flags", "sinks")]
+                       if type_.endswith("*") and name not in ("workspace", "error_flags", "sinks", "query_start")]
                   for op in ("write", "decode")}
 FAKE_BASE = 0x7F00_0000_0000  # 16-aligned addresses that are only passed where nothing is launched
 
@@ -890,6 +891,28 @@ def test_decode_sinks_must_be_4_byte_aligned(offset):
     entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")
     args = checked_args(entry, sinks=WORD + offset)
     expect_failure(entry, args, MISALIGNED, [f"sinks = {args['sinks']:#x}", "4-byte aligned"])
+
+
+@pytest.mark.parametrize("max_q_len", [17, 2**31, 2**32 - 1])
+def test_decode_refuses_max_q_len_above_16(max_q_len):
+    entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")
+    expect_failure(entry, entry.valid_args() | {"max_q_len": max_q_len}, Status.INVALID_VALUE,
+                   [f"max_q_len = {max_q_len}", "16"])
+
+
+@only_without_gpu
+def test_decode_needs_query_start_for_more_than_one_query_row():
+    entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")
+    expect_failure(entry, checked_args(entry, max_q_len=2), Status.NULL_POINTER,
+                   ["query_start is NULL", "max_q_len = 2"])
+
+
+@only_without_gpu
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_decode_query_start_must_be_4_byte_aligned(offset):
+    entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")
+    args = checked_args(entry, query_start=WORD + offset, max_q_len=4)
+    expect_failure(entry, args, MISALIGNED, [f"query_start = {args['query_start']:#x}", "4-byte aligned"])
 
 
 def test_v2_decode_struct_reads_sinks_and_soft_cap_as_off():

@@ -91,9 +91,9 @@ STRUCTS = {"write": _lib.WriteParams, "decode": _lib.DecodeParams}
 FIELD_TYPES = {op: dict(s._fields_) for op, s in STRUCTS.items()}
 # Pointer fields in header order.
 ALL_POINTERS = {op: [n for n, t in s._fields_ if t is ctypes.c_void_p] for op, s in STRUCTS.items()}
-# Required pointers in header order (the optional decode workspace and sinks and the checked-mode
-# error word excluded).
-POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags", "sinks")]
+# Required pointers in header order (the optional decode workspace, sinks and query_start and the
+# checked-mode error word excluded).
+POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags", "sinks", "query_start")]
             for op, names in ALL_POINTERS.items()}
 WORK = {"write": "num_tokens", "decode": "num_seqs"}
 # FP8KTURBOV_<OP>_PARAMS_V<n>_SIZE: the earlier versions of the structs, still accepted; version 1
@@ -101,8 +101,9 @@ WORK = {"write": "num_tokens", "decode": "num_seqs"}
 OLD_SIZES = {op: old_struct_sizes(op) for op in STRUCTS}
 V1_SIZES = {op: sizes[0] for op, sizes in OLD_SIZES.items()}
 # How the library reads a version-1 struct's tail (unchecked, the default V encoder, no sinks, no
-# soft-capping).
-UNCHECKED = {"num_blocks": 0, "error_flags": 0, "v_encoder": 0, "sinks": 0, "soft_cap": 0.0}
+# soft-capping, one query row per sequence).
+UNCHECKED = {"num_blocks": 0, "error_flags": 0, "v_encoder": 0, "sinks": 0, "soft_cap": 0.0,
+             "query_start": 0, "max_q_len": 0, "num_query_rows": 0}
 FIXED_PARAMS = {"write": _fixed_launcher_params("FP8KTURBOV_DECLARE_WRITE"),
                 "decode": _fixed_launcher_params("FP8KTURBOV_DECLARE_DECODE")}
 assert all(names[-1] == "stream" for names in FIXED_PARAMS.values()), FIXED_PARAMS
@@ -219,8 +220,11 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         e.rule(nq == 0, V, "num_q_heads = ")
         e.rule(nkv > 0 and nq % nkv != 0, V, "num_q_heads = ", decided=nkv > 0)
         e.rule(nq > 65535, V, "num_q_heads = ")
-        if nkv > 0 and 0 < nq <= 65535 and nq % nkv == 0:  # one CTA per (sequence, KV head, 8 heads)
-            e.rule(a["num_seqs"] * nkv * -(-(nq // nkv) // 8) > I32_MAX, V, "num_seqs = ")
+        max_q_len = get("max_q_len")
+        e.rule(max_q_len > 16, V, "max_q_len = ")
+        if nkv > 0 and 0 < nq <= 65535 and nq % nkv == 0:  # one CTA per (sequence, KV head, 8 columns)
+            columns = max(min(max_q_len, 16), 1) * (nq // nkv)
+            e.rule(a["num_seqs"] * nkv * -(-columns // 8) > I32_MAX, V, "num_seqs = ", decided=max_q_len <= 16)
         else:
             e.rule(a["num_seqs"] > I32_MAX, V, "num_seqs = ", decided=False)
         e.rule(mb == 0, V, "max_blocks_per_seq = ")
@@ -262,6 +266,8 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         # Checked mode (the workspace query ignores it): the error word, NULL here as well.
         e.rule(get("num_blocks") > 0 and not get("error_flags"), NULL, "error_flags is NULL")
         e.rule(op == "decode" and get("sinks") % 4 != 0, MIS, "sinks = ")
+        e.rule(op == "decode" and get("max_q_len") > 1 and not get("query_start"), NULL, "query_start is NULL")
+        e.rule(op == "decode" and get("query_start") % 4 != 0, MIS, "query_start = ")
     return e
 
 
@@ -354,6 +360,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                     k_block_stride_bytes=draw(st.sampled_from([0, k_page, k_page + 16])),
                     sparse_v_threshold=draw(st.floats(0.0, FLT_MAX, width=32)),
                     soft_cap=draw(st.one_of(st.just(0.0), st.floats(0.0, FLT_MAX, width=32))),
+                    max_q_len=draw(st.integers(0, 16)), num_query_rows=draw(st.sampled_from(U32_EDGES)),
                     workspace_bytes=draw(st.sampled_from(U64_EDGES)))
     return {name: args[name] for name in entry.names}
 

@@ -142,10 +142,11 @@ def test_write_reproduces_golden_pools(device, path):
 
 class DecodeCase:
     """A random paged cache (written by the reference) with ragged sequences and a shuffled page
-    table, plus queries and a poisoned output."""
+    table, plus queries and a poisoned output. ``q_lens``: query tokens per sequence (multi-token
+    decode through ``query_start``); None is one query row per sequence without it."""
 
     def __init__(self, rng, bits, head_dim, group_size, window, *, q_gain=1.0, seq_lens=None,
-                 block_size=16, v_pad=16, num_kv_heads=2):
+                 block_size=16, v_pad=16, num_kv_heads=2, q_lens=None):
         self.bits, self.head_dim, self.window = bits, head_dim, window
         self.num_kv_heads, self.block_size = num_kv_heads, block_size
         self.num_q_heads = self.num_kv_heads * group_size
@@ -171,9 +172,18 @@ class DecodeCase:
         ref.write_cache(keys, values, self.k_pool, self.v_pool, np.arange(num_slots), num_slots,
                         self.num_kv_heads, head_dim, self.block_size, n, n, self.k_scale,
                         self.k_stride, self.v_stride, self.v_data, bits)
+        self.query_start = None if q_lens is None else np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        self.num_rows = self.num_seqs if q_lens is None else int(self.query_start[-1])
         self.q_stride = self.num_q_heads * head_dim + 8
-        q = rng.standard_normal((self.num_seqs, self.q_stride)).astype(np.float32) * q_gain
+        q = rng.standard_normal((self.num_rows, self.q_stride)).astype(np.float32) * q_gain
         self.q = q.astype(BF16)
+
+    def multi_token_scalars(self) -> dict:
+        """The launch's multi-token fields: none without ``q_lens``, else ``max_q_len`` and
+        ``num_query_rows`` (``query_start`` is a device address, added by `run`)."""
+        if self.query_start is None:
+            return {}
+        return dict(max_q_len=max(int(np.diff(self.query_start).max()), 1), num_query_rows=self.num_rows)
 
     def reference(self, sparse_v_threshold=0.0, *, sinks=None, soft_cap=0.0):
         return ref.paged_decode(
@@ -182,7 +192,7 @@ class DecodeCase:
             self.head_dim, self.block_size, self.inv_sqrt_d, self.k_scale, self.q_stride,
             self.v_stride, self.v_data, self.window, self.bits,
             k_block_stride_bytes=self.k_stride, sparse_v_threshold=sparse_v_threshold,
-            sinks=sinks, soft_cap=soft_cap)
+            query_start=self.query_start, sinks=sinks, soft_cap=soft_cap)
 
     def run(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
         """The kernel's output; with ``split`` the context is split over CTAs (workspace given,
@@ -196,9 +206,13 @@ class DecodeCase:
             k_block_stride_bytes=self.k_stride, v_block_stride_bytes=self.v_stride,
             v_data_section_bytes=self.v_data, sliding_window=self.window,
             sparse_v_threshold=sparse_v_threshold)
-        workspace_bytes = fp8kturbov.paged_decode_workspace_bytes(**scalars) if split else 0
+        multi_token = self.multi_token_scalars()
+        workspace_bytes = (fp8kturbov.paged_decode_workspace_bytes(
+            **scalars, max_q_len=multi_token.get("max_q_len", 0)) if split else 0)
         workspace = device.upload(np.full(workspace_bytes // 4, np.nan, dtype=np.float32))
-        out_shape = (self.num_seqs, self.num_q_heads, self.head_dim)
+        if multi_token:
+            multi_token["query_start"] = device.upload(self.query_start)
+        out_shape = (self.num_rows, self.num_q_heads, self.head_dim)
         poison = np.full(out_shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN
         out = device.upload(poison)
         fp8kturbov.paged_decode_attn(
@@ -206,7 +220,7 @@ class DecodeCase:
             device.upload(self.v_pool), out, device.upload(self.block_tables),
             device.upload(self.seq_lens), workspace=workspace, workspace_bytes=workspace_bytes,
             sinks=0 if sinks is None else device.upload(np.asarray(sinks, dtype=np.float32)),
-            soft_cap=soft_cap, stream=device.stream, **scalars)
+            soft_cap=soft_cap, stream=device.stream, **scalars, **multi_token)
         return device.download(out, poison).view(BF16).astype(np.float64)
 
 
@@ -248,6 +262,104 @@ def test_decode_sinks_and_soft_cap_match_reference(device, rng, bits, head_dim, 
     assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
     assert not np.allclose(want, case.reference(), atol=1e-3), "the options changed nothing: the test proves nothing"
     err = relative_error_per_head(got, want)
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+
+# Ragged query tokens per sequence (0 … 16, never more than its seq_len) for DecodeCase's
+# default seq_lens [0, 1, 17, 100, 250, 64]: a group of 12 heads times 16 tokens spans 24 CTAs.
+MULTI_TOKEN_Q_LENS = [0, 1, 16, 5, 16, 3]
+
+
+@pytest.mark.parametrize("bits, head_dim", [(2, 64), (3, 128), (4, 256), (3, 512)])
+@pytest.mark.parametrize("group_size", [1, 4, 12])
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_multi_token_decode_matches_reference(device, rng, bits, head_dim, group_size, window, split):
+    """query_start with ragged q_len: each token attends causally up to itself (window counted
+    back from it), CTAs holding columns of several tokens mask per column."""
+    case = DecodeCase(rng, bits, head_dim, group_size, window, q_lens=MULTI_TOKEN_Q_LENS)
+    got = case.run(device, sparse_v_threshold=0.0, split=split)
+    want = case.reference()
+    assert got.shape[0] == sum(MULTI_TOKEN_Q_LENS)
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    err = relative_error_per_head(got, want)
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+    # The causal rule matters: the first token of a 16-token chunk differs from its last.
+    first, last = case.query_start[2], case.query_start[3] - 1
+    assert not np.allclose(want[first], want[last], atol=1e-3), "the test proves nothing"
+
+
+@pytest.mark.parametrize("bits, head_dim", [(2, 128), (4, 256)])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_multi_token_decode_with_sinks_and_soft_cap(device, rng, bits, head_dim, split):
+    """Sinks and soft-capping combine with multi-token decode (sparse V: see
+    test_sparse_v_error_is_bounded)."""
+    case = DecodeCase(rng, bits, head_dim, 4, 40, q_gain=8.0, q_lens=MULTI_TOKEN_Q_LENS)
+    sinks = (rng.standard_normal(case.num_q_heads) * 4).astype(np.float32)
+    got = case.run(device, 0.0, split=split, sinks=sinks, soft_cap=5.0)
+    err = relative_error_per_head(got, case.reference(sinks=sinks, soft_cap=5.0))
+    assert not np.isnan(got).any() and err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+
+def run_multi_token(device, case: DecodeCase, query_start: np.ndarray, max_q_len: int, num_query_rows: int,
+                    *, checked: bool, split: bool) -> tuple[np.ndarray, int]:
+    """Decode ``case`` with the given multi-token fields (``query_start`` possibly inconsistent)
+    into a poisoned output of ``case.num_rows`` rows; returns (output as float64, error word)."""
+    scalars = dict(
+        max_blocks_per_seq=case.max_blocks_per_seq, num_seqs=case.num_seqs, num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, block_size=case.block_size,
+        inv_sqrt_d=case.inv_sqrt_d, k_scale=case.k_scale, q_stride=case.q_stride, v_bits=case.bits,
+        k_block_stride_bytes=case.k_stride, v_block_stride_bytes=case.v_stride,
+        v_data_section_bytes=case.v_data, sliding_window=case.window, sparse_v_threshold=0.0,
+        max_q_len=max_q_len)
+    workspace_bytes = fp8kturbov.paged_decode_workspace_bytes(**scalars) if split else 0
+    poison = np.full((case.num_rows, case.num_q_heads, case.head_dim), 0x7FC1, dtype=np.uint16)
+    out = device.upload(poison)
+    word = fp8kturbov.ErrorWord(0)
+    fp8kturbov.paged_decode_attn(
+        device.upload(case.q.view(np.uint16)), device.upload(case.k_pool), device.upload(case.v_pool), out,
+        device.upload(case.block_tables), device.upload(case.seq_lens),
+        workspace=device.upload(np.full(max(workspace_bytes // 4, 1), np.nan, dtype=np.float32)),
+        workspace_bytes=workspace_bytes, query_start=device.upload(query_start.astype(np.int32)),
+        num_query_rows=num_query_rows, num_blocks=case.num_blocks if checked else 0,
+        error_flags=word.ptr if checked else 0, stream=device.stream, **scalars)
+    flags = word.read(device.stream)
+    word.close()
+    return device.download(out, poison).view(BF16).astype(np.float64), flags
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_checked_multi_token_decode_skips_and_reports_bad_query_start(device, rng, split):
+    """seq_lens [0, 1, 17, 100, 250, 64]; query_start [-1, 0, 1, 5, 8, 24, 26] with max_q_len 8
+    and num_query_rows 25: sequence 0 starts below 0, sequence 4 has 16 > max_q_len tokens and
+    sequence 5 ends past num_query_rows. Checked: those are skipped (rows 8..25 keep the poison)
+    and reported, sequences 1-3 (rows 0..7) match the reference. Unchecked: the word is untouched,
+    sequence 5 (which only the row count rules out) is computed."""
+    case = DecodeCase(rng, 3, 128, 4, 0, q_lens=[0, 1, 4, 3, 16, 2])  # 26 rows
+    query_start = np.array([-1, 0, 1, 5, 8, 24, 26])
+    valid = np.array([0, 0, 1, 5, 8, 8, 8])  # the same rows without sequences 0, 4 and 5
+    got, flags = run_multi_token(device, case, query_start, 8, 25, checked=True, split=split)
+    assert flags == int(fp8kturbov.IndexErrorFlags.QUERY_START)
+    assert np.isnan(got[8:]).all(), "a skipped sequence's rows must not be written"
+    case.query_start = valid
+    err = relative_error_per_head(got[:8], case.reference()[:8])
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+    got, flags = run_multi_token(device, case, query_start, 8, 25, checked=False, split=split)
+    assert flags == 0
+    assert np.isnan(got[8:24]).all() and not np.isnan(got[24:]).any()
+
+
+def test_checked_multi_token_decode_reports_more_tokens_than_positions(device, rng):
+    """Sequence 1 holds one position but two query tokens: reported; its first token attends
+    nothing (zeros), its second the one position, as the causal rule gives them."""
+    case = DecodeCase(rng, 2, 64, 4, 0, q_lens=[0, 2, 4, 3, 16, 2])
+    got, flags = run_multi_token(device, case, case.query_start, 16, case.num_rows, checked=True, split=False)
+    assert flags == int(fp8kturbov.IndexErrorFlags.QUERY_START)
+    assert np.all(got[0] == 0)
+    # The reference, without row 0: sequence 1 keeps its second token only, a valid chunk.
+    case.q, case.query_start = case.q[1:], case.query_start - np.minimum(case.query_start, 1)
+    want = case.reference()
+    err = relative_error_per_head(got[1:], want)
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
 
@@ -298,11 +410,12 @@ def test_decode_many_kv_heads(device, rng, bits, head_dim, num_kv_heads, block_s
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_sparse_v_error_is_bounded(device, rng, bits, head_dim):
+@pytest.mark.parametrize("q_lens", [None, [16, 5, 1, 0, 3]], ids=["one_token", "multi_token"])
+def test_sparse_v_error_is_bounded(device, rng, bits, head_dim, q_lens):
     """Skipped rows all satisfy exp(s - M) <= tau (M the final max), so the deviation from the
     exact result is at most the softmax mass of such rows times their V norm (plus rounding)."""
     tau = 1e-3
-    case = DecodeCase(rng, bits, head_dim, 4, 0, q_gain=4.0, seq_lens=[300, 129, 1, 0, 513])
+    case = DecodeCase(rng, bits, head_dim, 4, 0, q_gain=4.0, seq_lens=[300, 129, 1, 0, 513], q_lens=q_lens)
     got = case.run(device, sparse_v_threshold=tau)
     exact = case.reference()
     bound = skippable_mass_times_norm(case, tau)
@@ -312,13 +425,16 @@ def test_sparse_v_error_is_bounded(device, rng, bits, head_dim):
 
 
 def skippable_mass_times_norm(case: DecodeCase, tau: float) -> np.ndarray:
-    """Per (sequence, query head): sum over positions with exp(s_p - M) <= tau of
+    """Per (query row, query head): sum over its attended positions with exp(s_p - M) <= tau of
     softmax_p * ||v_p||, from the reference's own dequantisation."""
     d, group = case.head_dim, case.num_q_heads // case.num_kv_heads
     n = case.num_kv_heads * d
-    bound = np.zeros((case.num_seqs, case.num_q_heads))
+    bound = np.zeros((case.num_rows, case.num_q_heads))
     q = case.q.astype(np.float64)
-    for s, length in enumerate(case.seq_lens):
+    starts = np.arange(case.num_seqs + 1) if case.query_start is None else case.query_start
+    rows = [(s, int(starts[s]) + i, int(case.seq_lens[s]) - int(starts[s + 1] - starts[s]) + i + 1)
+            for s in range(case.num_seqs) for i in range(int(starts[s + 1] - starts[s]))]
+    for s, row, length in rows:  # length: the row's attended end
         start = max(0, length - case.window) if case.window else 0
         positions = np.arange(start, length)
         pages = case.block_tables[s, positions // case.block_size].astype(np.int64)
@@ -337,10 +453,10 @@ def skippable_mass_times_norm(case: DecodeCase, tau: float) -> np.ndarray:
             kv = h // group
             k = ref.decode_k(k_rows[:, kv * d:(kv + 1) * d], case.k_scale).astype(np.float64)
             v = np.stack(v_rows)[:, kv * d:(kv + 1) * d].astype(np.float64)
-            scores = k @ q[s, h * d:(h + 1) * d] * case.inv_sqrt_d
+            scores = k @ q[row, h * d:(h + 1) * d] * case.inv_sqrt_d
             weights = np.exp(scores - scores.max())
             skippable = weights <= tau
-            bound[s, h] = (weights[skippable] / weights.sum() * np.linalg.norm(v[skippable], axis=1)).sum()
+            bound[row, h] = (weights[skippable] / weights.sum() * np.linalg.norm(v[skippable], axis=1)).sum()
     return bound
 
 

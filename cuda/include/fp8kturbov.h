@@ -90,12 +90,18 @@ typedef enum fp8kturbov_index_error {
   FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE = 2,
   /* decode: a seq_len < 0 or > max_blocks_per_seq * block_size. It is clamped to that range,
    * which is also what happens, unreported, with num_blocks = 0. */
-  FP8KTURBOV_INDEX_ERROR_SEQ_LEN = 4
+  FP8KTURBOV_INDEX_ERROR_SEQ_LEN = 4,
+  /* multi-token decode: query_start[s] < 0, query_start[s + 1] < query_start[s], a q_len above
+   * max_q_len, or query_start[s + 1] > num_query_rows. The sequence's outputs are not written.
+   * A q_len above the sequence's seq_len is reported too; its rows are computed as the causal
+   * rule gives them (a row with no position to attend gets zeros). */
+  FP8KTURBOV_INDEX_ERROR_QUERY_START = 8
 } fp8kturbov_index_error_t;
 
 /* struct_size: each params struct accepts the size of this header's struct and those of its
  * earlier versions (FP8KTURBOV_*_PARAMS_V1_SIZE: library 0.1, without the checked-mode fields;
- * FP8KTURBOV_{WRITE,DECODE}_PARAMS_V2_SIZE: library 0.2, without v_encoder / sinks and soft_cap),
+ * FP8KTURBOV_{WRITE,DECODE}_PARAMS_V2_SIZE: library 0.2, without v_encoder / sinks, soft_cap
+ * and the multi-token fields),
  * whose missing fields read as 0. */
 
 /* ---- V encoders ------------------------------------------------------------------------------ */
@@ -179,11 +185,12 @@ FP8KTURBOV_DECLARE_WRITE(4)
 
 /* ---- Paged decode attention ------------------------------------------------------------------ */
 /*
- * One query token per sequence attends to its cached positions.
- *  q             bf16, sequence s, query head h at q + s*q_stride + h*head_dim (q_stride in
- *                ELEMENTS, >= num_q_heads*head_dim).
- *  output        bf16, dense [num_seqs][num_q_heads][head_dim]; a sequence with seq_len 0 gets
- *                zeros.
+ * One query token per sequence (or, with query_start, up to 16) attends to its cached positions.
+ *  q             bf16, query row r, query head h at q + r*q_stride + h*head_dim (q_stride in
+ *                ELEMENTS, >= num_q_heads*head_dim). Row r is sequence r, or with query_start
+ *                the rows listed there.
+ *  output        bf16, dense [rows][num_q_heads][head_dim] (rows = num_seqs, or num_query_rows);
+ *                a row with no position to attend (seq_len 0) gets zeros.
  *  block_tables  int32 [num_seqs][max_blocks_per_seq], page ids.
  *  seq_lens      int32 [num_seqs], cached positions per sequence (the new token included),
  *                0 <= seq_len <= max_blocks_per_seq*block_size.
@@ -197,6 +204,17 @@ FP8KTURBOV_DECLARE_WRITE(4)
  *                only: out = sum_p e^(s_p - m) v_p / (sum_p e^(s_p - m) + e^(sink_h - m)).
  *  soft_cap      (params only) > 0: every score becomes soft_cap * tanh(score / soft_cap) before
  *                the softmax (logit soft-capping); 0 = off. Finite.
+ *  query_start   (params only) multi-token decode, for speculative and chunked decode: NULL (one
+ *                row per sequence), or device int32 [num_seqs + 1], non-decreasing from 0:
+ *                sequence s owns query rows query_start[s] .. query_start[s + 1] - 1, q_len =
+ *                query_start[s + 1] - query_start[s] <= min(max_q_len, seq_len) tokens (0 is
+ *                allowed). Its token i (row query_start[s] + i) is position seq_len - q_len + i
+ *                and attends the positions before end = seq_len - q_len + i + 1 (causal inside
+ *                the chunk); the sliding window counts back from that end.
+ *  max_q_len     (params only, with query_start) 1..16, the largest q_len; it sizes the grid and
+ *                the workspace. Ignored without query_start.
+ *  num_query_rows  (params only, with query_start) rows of q and output, query_start[num_seqs];
+ *                checked mode keeps every row inside it. Ignored without query_start.
  *  workspace     (params only) caller-owned device scratch of workspace_bytes bytes, 16-byte
  *                aligned. With enough of it (fp8kturbov_paged_decode_workspace_bytes) the context
  *                is split across CTAs so that few sequences still fill the GPU, and a second
@@ -235,6 +253,9 @@ typedef struct fp8kturbov_decode_params {
   uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
   const float* sinks;    /* NULL = no sinks; 4-byte aligned */
   float soft_cap;        /* >= 0; 0 = off */
+  const int32_t* query_start; /* NULL = one query row per sequence; 4-byte aligned */
+  uint32_t max_q_len;         /* 1..16 with query_start */
+  uint32_t num_query_rows;    /* rows of q and output with query_start */
 } fp8kturbov_decode_params_t;
 #define FP8KTURBOV_DECODE_PARAMS_V1_SIZE 144
 #define FP8KTURBOV_DECODE_PARAMS_V2_SIZE 160

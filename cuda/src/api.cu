@@ -315,6 +315,9 @@ cudaError_t dispatch_decode(uint32_t bits, uint32_t head_dim, const DecodeArgs& 
   return cudaSuccess;
 }
 
+// Query rows per sequence the grid and the workspace are sized for: max_q_len, where 0 means 1.
+uint32_t query_rows_per_seq(const fp8kturbov_decode_params_t& p) { return std::max(p.max_q_len, 1u); }
+
 // Every scalar rule of a decode; also resolves the K page stride (0 = packed).
 fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_params_t& p,
                                     uint64_t* k_block_stride_bytes) {
@@ -335,13 +338,16 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (p.num_q_heads > 65535)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_q_heads = %u exceeds 65535",
                 p.num_q_heads);
-  // One CTA per (sequence, KV head, chunk of 8 query heads) at least; a grid holds < 2^31.
+  if (p.max_q_len > kDecodeMaxQueryLen)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_q_len = %u exceeds %d", p.max_q_len,
+                kDecodeMaxQueryLen);
+  // One CTA per (sequence, KV head, chunk of 8 query columns) at least; a grid holds < 2^31.
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
-                             decode_chunks_per_group(p.num_q_heads, p.num_kv_heads);
+                             decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
   if (base_ctas > INT32_MAX)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "num_seqs = %u needs %" PRIu64 " CTAs (num_seqs * num_kv_heads * ceil(group size / 8)), "
-                "more than 2^31 - 1", p.num_seqs, base_ctas);
+                "num_seqs = %u needs %" PRIu64 " CTAs (num_seqs * num_kv_heads * "
+                "ceil(max_q_len * group size / 8)), more than 2^31 - 1", p.num_seqs, base_ctas);
   if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
   if (p.max_blocks_per_seq == 0)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_blocks_per_seq = 0");
@@ -402,9 +408,9 @@ constexpr double kDecodeWaveFill = 0.95;
 
 uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
   const uint64_t table_positions = uint64_t(p.max_blocks_per_seq) * p.block_size;
-  const uint64_t span = p.sliding_window > 0 && p.sliding_window < table_positions
-                            ? p.sliding_window
-                            : table_positions;
+  // The query tokens of a sequence attend windows that end at consecutive positions.
+  const uint64_t window_span = uint64_t(p.sliding_window) + query_rows_per_seq(p) - 1;
+  const uint64_t span = p.sliding_window > 0 && window_span < table_positions ? window_span : table_positions;
   // Tiles sit on multiples of 16 positions: an unaligned window start adds at most one tile.
   return (span + 2 * kDecodeTileTokens - 2) / kDecodeTileTokens;
 }
@@ -412,7 +418,7 @@ uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
 DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors, int ctas_per_sm,
                        uint64_t workspace_bytes) {
   DecodePlan plan{};
-  plan.chunks_per_group = decode_chunks_per_group(p.num_q_heads, p.num_kv_heads);
+  plan.chunks_per_group = decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
   const uint64_t tiles = tiles_per_sequence(p);
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
   const uint64_t slots = uint64_t(std::max(multiprocessors, 1)) * std::max(ctas_per_sm, 1);
@@ -435,7 +441,8 @@ DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
   plan.split_tokens = int32_t(std::min<uint64_t>(tiles_per_split * kDecodeTileTokens, INT32_MAX));
   plan.workspace = static_cast<float*>(p.workspace);
   if (plan.num_splits > 1 &&
-      decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim) > workspace_bytes) {
+      decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim) >
+          workspace_bytes) {
     plan.num_splits = 1;
     plan.split_tokens = INT32_MAX;
   }
@@ -507,6 +514,13 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   if (reinterpret_cast<uintptr_t>(p.sinks) % alignof(float) != 0)
     return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "sinks = %p is not 4-byte aligned",
                 static_cast<const void*>(p.sinks));
+  if (p.max_q_len > 1 && p.query_start == nullptr)
+    return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry,
+                "query_start is NULL but max_q_len = %u (more than one query row per sequence)",
+                p.max_q_len);
+  if (reinterpret_cast<uintptr_t>(p.query_start) % alignof(int32_t) != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "query_start = %p is not 4-byte aligned",
+                static_cast<const void*>(p.query_start));
   int multiprocessors = 0, ctas_per_sm = 0;
   const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
@@ -539,7 +553,10 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                                                  v_data_section_bytes(1, row_elems, p.v_bits)),
                         index_check,
                         p.sinks,
-                        p.soft_cap};
+                        p.soft_cap,
+                        p.query_start,
+                        p.query_start != nullptr ? query_rows_per_seq(p) : 1u,
+                        p.query_start != nullptr ? p.num_query_rows : p.num_seqs};
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)
@@ -567,7 +584,7 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
   const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
   const DecodePlan plan = plan_decode(p, multiprocessors, ctas_per_sm, UINT64_MAX);
-  *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, p.num_q_heads, p.head_dim);
+  *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 

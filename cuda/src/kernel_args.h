@@ -74,6 +74,9 @@ struct DecodeArgs {
   IndexCheck index_check;
   const float* sinks;  // [num_q_heads] logits joining the denominator, or nullptr
   float soft_cap;      // > 0: scores soft-capped, 0: off
+  const int32_t* query_start;  // [num_seqs + 1] query rows per sequence, or nullptr: row = sequence
+  uint32_t max_q_len;          // the largest q_len; 1 without query_start
+  uint32_t num_query_rows;     // rows of q and output (checked mode bounds them)
 };
 
 template <int BITS>
@@ -116,7 +119,8 @@ cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 
 // Decode work units (shared by the planner and the kernel).
 constexpr int kDecodeTileTokens = 16;   // positions per mma tile
-constexpr int kDecodeHeadsPerCta = 8;   // query heads of one GQA group per CTA
+constexpr int kDecodeHeadsPerCta = 8;   // query columns (query head, query token) per CTA
+constexpr int kDecodeMaxQueryLen = 16;  // query tokens per sequence at most (multi-token decode)
 constexpr int kDecodeCtasPerSm = 4;     // launch bounds: registers sized for 4 resident CTAs per SM
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
 constexpr int kDecodeMaxSplits = 1024;  // context splits per sequence at most
@@ -125,22 +129,23 @@ constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode occupancy i
 // How a decode is split over CTAs (FORMAT §5 does not depend on it; rounding does, so a plan is
 // a pure function of the shape, the device's multiprocessor count and the workspace size).
 struct DecodePlan {
-  uint32_t chunks_per_group;  // CTAs per KV head: ceil(group size / 8)
+  uint32_t chunks_per_group;  // CTAs per KV head: ceil(max_q_len * group size / 8)
   uint32_t num_splits;        // context splits per sequence; 1 = no workspace used
   int32_t split_tokens;       // positions per split, a multiple of the 16-token tile
-  float* workspace;           // [num_seqs][num_q_heads][num_splits][head_dim + 2] when split
+  float* workspace;           // [num_seqs][max_q_len][num_q_heads][num_splits][head_dim + 2] when split
 };
 
-// CTAs per KV head: one per chunk of up to kDecodeHeadsPerCta query heads of its GQA group.
-inline uint32_t decode_chunks_per_group(uint32_t num_q_heads, uint32_t num_kv_heads) {
-  return (num_q_heads / num_kv_heads + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
+// CTAs per KV head: one per chunk of up to kDecodeHeadsPerCta columns, a column being one query
+// head of the GQA group for one query token of the sequence (token-major).
+inline uint32_t decode_chunks_per_group(uint32_t num_q_heads, uint32_t num_kv_heads, uint32_t max_q_len) {
+  return (max_q_len * (num_q_heads / num_kv_heads) + kDecodeHeadsPerCta - 1) / kDecodeHeadsPerCta;
 }
 
 // Workspace bytes a plan needs.
-inline uint64_t decode_workspace_bytes(const DecodePlan& plan, uint32_t num_seqs,
+inline uint64_t decode_workspace_bytes(const DecodePlan& plan, uint32_t num_seqs, uint32_t max_q_len,
                                        uint32_t num_q_heads, uint32_t head_dim) {
   if (plan.num_splits <= 1) return 0;
-  return uint64_t(num_seqs) * num_q_heads * plan.num_splits * (head_dim + 2) * sizeof(float);
+  return uint64_t(num_seqs) * max_q_len * num_q_heads * plan.num_splits * (head_dim + 2) * sizeof(float);
 }
 
 // Alignment (bytes) the decode kernel's V copies need from the V pool, its page stride and its

@@ -1,7 +1,9 @@
 // Paged decode attention over the fp8k_turbo{2,3,4}v cache (FORMAT §5), on tensor cores.
 //
-// Work split. A CTA handles one (sequence, KV head, chunk of up to 8 query heads of its GQA group,
-// context split). The context split (flash-decoding) lets a few long sequences fill the GPU: each
+// Work split. A CTA handles one (sequence, KV head, chunk of up to 8 query columns, context
+// split), a column being one query head of the KV head's GQA group for one query token of the
+// sequence (one token, or up to 16 in multi-token decode; token-major, so that the tokens of a
+// short group share a CTA and its reads). The context split (flash-decoding) lets a few long sequences fill the GPU: each
 // split writes an unnormalised partial (O, running max, denominator) to the caller's workspace and
 // a merge kernel combines them in a fixed order, so results are deterministic for a plan.
 //
@@ -201,6 +203,23 @@ __device__ __forceinline__ float sink_log2(const DecodeArgs& a, uint64_t head) {
   return a.sinks == nullptr ? -INFINITY : a.sinks[head] * kLog2e;
 }
 
+// Multi-token decode (DecodeArgs::query_start): the query rows [row0, row0 + q_len) of sequence
+// `seq`, or its one row without query_start. False where query_start is inconsistent (negative,
+// decreasing, q_len > max_q_len, or past num_query_rows in checked mode): the sequence is skipped.
+__device__ __forceinline__ bool sequence_query_rows(const DecodeArgs& a, uint32_t seq, uint32_t& row0, int& q_len) {
+  if (a.query_start == nullptr) {
+    row0 = seq;
+    q_len = 1;
+    return true;
+  }
+  const int32_t first = a.query_start[seq];
+  const int32_t end = a.query_start[seq + 1];
+  row0 = uint32_t(first);
+  q_len = int(int64_t(end) - first);
+  return first >= 0 && end >= first && q_len <= int(a.max_q_len) &&
+         (!a.index_check.enabled() || uint32_t(end) <= a.num_query_rows);
+}
+
 // tanh(x) for logit soft-capping: 1 − 2 / (e^(2x) + 1), exact to a few float ulps in absolute
 // terms (which is what a score needs) and ±1 for large |x|.
 __device__ __forceinline__ float soft_cap_tanh(float x) {
@@ -292,26 +311,44 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const uint32_t seq_split = blockIdx.x / plan.chunks_per_group / a.num_kv_heads;
   const uint32_t seq = seq_split / plan.num_splits;
   const uint32_t split = seq_split % plan.num_splits;
+  const bool reports = a.index_check.enabled() && tid == 0 && chunk == 0 && kv_head == 0 && split == 0;  // once per sequence
+  uint32_t row0;
+  int q_len;
+  if (!sequence_query_rows(a, seq, row0, q_len)) {
+    if (reports) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+    return;
+  }
+  // This CTA's columns: first_column + c for c < num_columns, each a (query token, query head).
   const uint32_t group_size = a.num_q_heads / a.num_kv_heads;
-  const uint32_t first_head = kv_head * group_size + chunk * kHeadsPerCta;
-  const int num_heads = min(kHeadsPerCta, int(group_size - chunk * kHeadsPerCta));
+  const int first_column = int(chunk) * kHeadsPerCta;
+  const int num_columns = min(kHeadsPerCta, q_len * int(group_size) - first_column);
+  if (num_columns <= 0) return;  // a sequence with fewer query tokens than the grid is sized for
+  auto column_token = [&](int c) { return uint32_t(first_column + c) / group_size; };
+  auto column_head = [&](int c) { return kv_head * group_size + uint32_t(first_column + c) % group_size; };
 
-  // FORMAT §5: attended positions [start, seq_len); a length beyond the block table is clamped to
-  // it so that no read leaves the table. This CTA takes its split's share of whole tiles.
+  // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
+  // + 1 (causal inside the query chunk; seq_len for one token); a length beyond the block table
+  // is clamped to it so that no read leaves the table. The CTA's range spans its columns'; it
+  // takes its split's share of whole tiles.
   const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
   const int given_seq_len = a.seq_lens[seq];
   const int seq_len = min(max(given_seq_len, 0), table_positions);
-  if (a.index_check.enabled() && seq_len != given_seq_len && tid == 0 && chunk == 0 && kv_head == 0 && split == 0)
-    a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);  // once per sequence
-  const int start = (a.sliding_window > 0 && seq_len > int(a.sliding_window))
-                        ? seq_len - int(a.sliding_window)
-                        : 0;
+  if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
+  if (reports && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+  auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
+  auto window_start = [&](int end) {
+    return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
+  };
+  const int start = window_start(column_end(0));
+  const int attend_end = column_end(num_columns - 1);
+  // Columns of several query tokens attend different ranges: their loop masks per column.
+  const bool columns_masked = column_token(0) != column_token(num_columns - 1);
   // Tiles sit on absolute multiples of 16 positions (so that with block_size % 16 == 0 a tile lies
   // in one page); rows outside [range_begin, range_end) are masked.
   const int64_t split_begin = (start & ~(kTileTokens - 1)) + int64_t(split) * plan.split_tokens;
   const int64_t split_end = split_begin + plan.split_tokens;
   const int range_begin = int(split_begin > start ? split_begin : start);
-  const int range_end = int(split_end < seq_len ? split_end : seq_len);
+  const int range_end = int(split_end < attend_end ? split_end : attend_end);
   const bool tile_in_one_page = a.block_size % kTileTokens == 0;
 
   // Checked mode: the CTA checks the page of every position it attends, table entries
@@ -333,10 +370,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
   // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
   // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
+  auto q_element = [&](int c, int d) {
+    return a.q[uint64_t(row0 + column_token(c)) * a.q_stride + uint64_t(column_head(c)) * HEAD_DIM + d];
+  };
   float q_absmax = 0.0f;
-  for (int i = tid; i < num_heads * HEAD_DIM; i += kDecodeThreads) {
-    const uint16_t bits =
-        a.q[uint64_t(seq) * a.q_stride + uint64_t(first_head) * HEAD_DIM + i];
+  for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
+    const uint16_t bits = q_element(i / HEAD_DIM, i % HEAD_DIM);
     const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(bits)));
     if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
   }
@@ -354,9 +393,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
     const int h = i / HEAD_DIM;
     float v = 0.0f;
-    if (h < num_heads)
-      v = __bfloat162float(__ushort_as_bfloat16(
-          a.q[uint64_t(seq) * a.q_stride + uint64_t(first_head) * HEAD_DIM + i]));
+    if (h < num_columns) v = __bfloat162float(__ushort_as_bfloat16(q_element(h, i % HEAD_DIM)));
     q_s[h][i % HEAD_DIM] = __float2half_rn(v * q_gain);
   }
   // Only a CTA that finds a page out of range masks tiles in its loop; the others run the loop of
@@ -377,10 +414,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const float score_per_cap = a.soft_cap > 0.0f ? a.score_scale / q_gain / a.soft_cap : 0.0f;
   const float cap_log2 = a.soft_cap * kLog2e;
 
-  // The tile loop and the epilogue, in two instances: with tiles masked where checked mode found a
-  // page out of range, and without, which every other CTA runs (all of them when unchecked).
-  auto decode_tiles = [&](auto mask_pages) {
+  // The tile loop and the epilogue, in three instances: with tiles masked where checked mode found
+  // a page out of range (and per column), with positions masked per column (multi-token CTAs),
+  // and without either, which every other CTA runs (all of them for one-token decode unchecked).
+  auto decode_tiles = [&](auto mask_pages, auto mask_columns) {
     constexpr bool kMaskPages = decltype(mask_pages)::value;
+    constexpr bool kMaskColumns = decltype(mask_columns)::value;
     const uint32_t row_elems = a.num_kv_heads * HEAD_DIM;  // < 2^32, validated
     const uint32_t row_code_bytes = row_elems / 8 * BITS;
     const uint32_t row_scale_bytes = row_elems / kGroupElems;
@@ -523,6 +562,15 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         copy_tile(k, std::false_type{});
     };
 
+    // The attended ranges of this thread's columns 2t and 2t+1, where they differ from the CTA's.
+    int column_begin[2] = {0, 0}, column_stop[2] = {0, 0};
+    if constexpr (kMaskColumns) {
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        column_stop[c] = column_end(2 * t + c);
+        column_begin[c] = window_start(column_stop[c]);
+      }
+    }
     // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
     float run_max[2] = {-INFINITY, -INFINITY};
     float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
@@ -612,8 +660,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       bool all_small = true;
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const float s0 = row_valid[0] ? s[c] : -INFINITY;
-        const float s1 = row_valid[1] ? s[2 + c] : -INFINITY;
+        bool valid[2] = {row_valid[0], row_valid[1]};
+        if constexpr (kMaskColumns) {
+  #pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int pos = tile + k_row_token[half];
+            valid[half] = valid[half] && pos >= column_begin[c] && pos < column_stop[c];
+          }
+        }
+        const float s0 = valid[0] ? s[c] : -INFINITY;
+        const float s1 = valid[1] ? s[2 + c] : -INFINITY;
         float tile_max = fmaxf(s0, s1);
   #pragma unroll
         for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
@@ -623,7 +679,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
         run_max[c] = new_max;
         // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
-        if (2 * t + c < num_heads) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
+        if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
       }
       const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
       const uint32_t p_hi = half2_bits(p[2], p[3]);  // token g+8
@@ -715,7 +771,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     __syncthreads();
 
     // Merge the streams (fixed order) and write the output or this split's partial.
-    for (int i = tid; i < num_heads * HEAD_DIM; i += kDecodeThreads) {
+    for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
       const int h = i / HEAD_DIM;
       const int d = i % HEAD_DIM;
       float m = -INFINITY;
@@ -729,11 +785,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         o += w * o_s[st][h][d];
         l += w * denom_s[st][h];
       }
-      const uint64_t row = uint64_t(seq) * a.num_q_heads + first_head + h;
+      const uint32_t token = column_token(h);
+      const uint32_t head = column_head(h);
       if (plan.num_splits == 1) {
-        const float out = normalize(o, l, m, sink_log2(a, first_head + h));
+        const float out = normalize(o, l, m, sink_log2(a, head));
+        const uint64_t row = uint64_t(row0 + token) * a.num_q_heads + head;
         a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(out));
       } else {
+        const uint64_t row = (uint64_t(seq) * a.max_q_len + token) * a.num_q_heads + head;
         float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
         part[d] = o;
         if (d == 0) {
@@ -744,9 +803,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
   };
   if (pages_masked)
-    decode_tiles(std::true_type{});
+    decode_tiles(std::true_type{}, std::true_type{});
+  else if (columns_masked)
+    decode_tiles(std::false_type{}, std::true_type{});
   else
-    decode_tiles(std::false_type{});
+    decode_tiles(std::false_type{}, std::false_type{});
 }
 
 // Block-wide reductions of the merge kernel (THREADS a multiple of 32, <= 1024); every thread gets
@@ -764,14 +825,20 @@ __device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
   return x;
 }
 
-// Combines the splits' partials of one (sequence, query head): the splits' weights are computed
-// once, in parallel, then every thread sums its element over the splits with several loads in
-// flight.
+// Combines the splits' partials of one (sequence, query token, query head): the splits' weights
+// are computed once, in parallel, then every thread sums its element over the splits with several
+// loads in flight.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];
   __shared__ float scratch[HEAD_DIM / 32];
-  const uint64_t row = blockIdx.x;  // sequence * num_q_heads + head
+  const uint64_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head
+  const uint32_t head = uint32_t(row % a.num_q_heads);
+  const uint32_t token = uint32_t(row / a.num_q_heads % a.max_q_len);
+  uint32_t row0;
+  int q_len;
+  if (!sequence_query_rows(a, uint32_t(row / a.num_q_heads / a.max_q_len), row0, q_len) || int(token) >= q_len)
+    return;  // no partials: the decode kernel skipped the sequence, or it has fewer tokens
   const int tid = threadIdx.x;
   const int num_splits = int(plan.num_splits);
   const float* parts = plan.workspace + row * num_splits * (HEAD_DIM + 2);
@@ -789,8 +856,8 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   float o = 0.0f;
 #pragma unroll 8
   for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
-  const float out = normalize(o, l, m, sink_log2(a, row % a.num_q_heads));
-  a.output[row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
+  const float out = normalize(o, l, m, sink_log2(a, head));
+  a.output[(uint64_t(row0 + token) * a.num_q_heads + head) * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
 }
 
 template <int BITS, int HEAD_DIM>
@@ -811,7 +878,7 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   err = cudaLaunchKernel(kernel, grid, dim3(kDecodeThreads), params, kSmemBytes, stream);
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   return cudaLaunchKernel(reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM>),
-                          dim3(args.num_seqs * args.num_q_heads), dim3(HEAD_DIM), params, 0, stream);
+                          dim3(args.num_seqs * args.max_q_len * args.num_q_heads), dim3(HEAD_DIM), params, 0, stream);
 }
 
 template <int BITS, int HEAD_DIM>

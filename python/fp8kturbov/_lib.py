@@ -96,6 +96,9 @@ class DecodeParams(ctypes.Structure):
         ("error_flags", _ptr),
         ("sinks", _ptr),
         ("soft_cap", _f32),
+        ("query_start", _ptr),
+        ("max_q_len", _u32),
+        ("num_query_rows", _u32),
     ]
 
 

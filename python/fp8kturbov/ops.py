@@ -146,12 +146,17 @@ def paged_decode_attn(
     v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
     k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
     workspace: int = 0, workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0,
-    sinks: int = 0, soft_cap: float = 0.0, stream: Any = None,
+    sinks: int = 0, soft_cap: float = 0.0, query_start: int = 0, max_q_len: int = 0,
+    num_query_rows: int = 0, stream: Any = None,
 ) -> None:
     """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
 
     ``sinks``: device address of float32 ``[num_q_heads]`` attention-sink logits (0 = none);
     ``soft_cap`` > 0 soft-caps the scores (``cap · tanh(score / cap)``), 0 is off.
+    Multi-token decode: ``query_start`` is the device address of int32 ``[num_seqs + 1]`` query-row
+    offsets (0 = one row per sequence), ``max_q_len`` (1…16) the largest ``q_len`` and
+    ``num_query_rows`` the rows of ``q`` and ``output``; token ``i`` of a sequence attends the
+    positions before ``seq_len − q_len + i + 1``.
 
     ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact.
     ``workspace`` is a device buffer of ``workspace_bytes`` bytes (see
@@ -170,7 +175,7 @@ def paged_decode_workspace_bytes(
     head_dim: int, block_size: int, q_stride: int, v_bits: int, v_block_stride_bytes: int,
     v_data_section_bytes: int, k_block_stride_bytes: int = 0, sliding_window: int = 0,
     inv_sqrt_d: float = 1.0, k_scale: float = 1.0, sparse_v_threshold: float = 1e-3,
-    soft_cap: float = 0.0,
+    soft_cap: float = 0.0, max_q_len: int = 0,
 ) -> int:
     """Workspace BYTES for :func:`paged_decode_attn` with these scalars on the current device
     (0 when a split would not help). A host query: no synchronisation."""
