@@ -35,6 +35,7 @@ H, D = LAYOUT.num_kv_heads, LAYOUT.head_dim
 N = H * D  # elements of one token row
 T = 5      # tokens per write
 S, HQ, MAX_BLOCKS = 3, 4, 6  # decode: sequences, query heads, block-table width
+ROWS, Q_LEN = 7, 4  # multi-token decode: query rows of q and out, max_q_len
 K_SCALE = 0.05
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int64": 8, "int32": 4, "uint8": 1, "int8": 1}
 
@@ -290,6 +291,13 @@ def decode_args(make) -> dict[str, Any]:
                 seq_lens=make((S,), "int32"), out=make((S, HQ, D), "bfloat16"))
 
 
+def multi_token_decode_args(make) -> dict[str, Any]:
+    """A multi-token decode's arguments: ROWS query rows over S sequences."""
+    return dict(q=make((ROWS, HQ, D), "bfloat16"), block_tables=make((S, MAX_BLOCKS), "int32"),
+                seq_lens=make((S,), "int32"), out=make((ROWS, HQ, D), "bfloat16"),
+                query_start=make((S + 1,), "int32"), max_q_len=Q_LEN)
+
+
 def dequantize_args(make) -> dict[str, Any]:
     return dict(slot_mapping=make((T,), "int64"), key=make((T, H, D), "bfloat16"),
                 value=make((T, N), "bfloat16"))
@@ -353,7 +361,36 @@ def test_decode_passes_shapes_strides_defaults_and_returns_out(make, launches):
                       seq_lens=args["seq_lens"].ptr, max_blocks_per_seq=MAX_BLOCKS, num_seqs=S,
                       num_q_heads=HQ, inv_sqrt_d=D ** -0.5, k_scale=K_SCALE, q_stride=HQ * D + 8, sliding_window=7,
                       sparse_v_threshold=1e-3, workspace=workspace.ptr, workspace_bytes=4000,
-                      sinks=0, soft_cap=0.0, stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+                      sinks=0, soft_cap=0.0, query_start=0, max_q_len=0, num_query_rows=0,
+                      stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+
+
+def test_decode_passes_query_start_and_takes_num_seqs_from_the_block_tables(make, launches):
+    cache = make_cache()
+    args = multi_token_decode_args(make)
+    args["q"] = make((ROWS, HQ, D), "bfloat16", strides=(HQ * D + 8, D, 1))
+    assert fp8kturbov.paged_decode(cache=cache, **args) is args["out"]
+    kw = launched(launches, "paged_decode_attn")
+    assert (kw["q"], kw["output"], kw["q_stride"]) == (args["q"].ptr, args["out"].ptr, HQ * D + 8)
+    assert (kw["num_seqs"], kw["max_blocks_per_seq"], kw["num_q_heads"]) == (S, MAX_BLOCKS, HQ)
+    assert (kw["query_start"], kw["max_q_len"], kw["num_query_rows"]) == (
+        args["query_start"].ptr, Q_LEN, ROWS)
+
+
+@pytest.mark.parametrize("max_q_len", [1, 16, np.int64(5)])
+def test_decode_accepts_max_q_len_from_1_to_16(launches, max_q_len):
+    args = multi_token_decode_args(FakeCAI) | {"max_q_len": max_q_len}
+    fp8kturbov.paged_decode(cache=make_cache(), **args)
+    passed = launched(launches, "paged_decode_attn")["max_q_len"]
+    assert passed == max_q_len and type(passed) is int
+
+
+def test_decode_refuses_max_q_len_without_query_start(launches):
+    with pytest.raises(ArgumentError) as error:
+        fp8kturbov.paged_decode(cache=make_cache(), max_q_len=1, **decode_args(FakeCAI))
+    assert (error.value.argument, error.value.found) == ("max_q_len", "1")
+    assert error.value.expected == "None without query_start"
+    assert launches == []
 
 
 def test_decode_passes_sinks_and_soft_cap(make, launches):
@@ -497,6 +534,25 @@ DECODE_ERRORS = {
 }
 
 
+MULTI_TOKEN_DECODE_ERRORS = {
+    "max_q_len missing": ("max_q_len", lambda m: None, "None"),
+    "max_q_len 0": ("max_q_len", lambda m: 0, "0"),
+    "max_q_len 17": ("max_q_len", lambda m: 17, "17"),
+    "max_q_len float": ("max_q_len", lambda m: 4.0, "4.0"),
+    "max_q_len bool": ("max_q_len", lambda m: True, "True"),
+    "query_start dtype": ("query_start", lambda m: m((S + 1,), "int64"), "dtype int64"),
+    "query_start length": ("query_start", lambda m: m((S,), "int32"), f"shape [{S}]"),
+    "query_start 2-D": ("query_start", lambda m: m((S + 1, 1), "int32"), "shape"),
+    "query_start strided": ("query_start", lambda m: m((S + 1,), "int32", strides=(2,)), "strides [2]"),
+    "query_start device": ("query_start", lambda m: m((S + 1,), "int32", device=1), "device 1"),
+    "q dtype": ("q", lambda m: m((ROWS, HQ, D), "float32"), "dtype float32"),
+    "out rows": ("out", lambda m: m((ROWS + 1, HQ, D), "bfloat16"), f"shape [{ROWS + 1}, {HQ}, {D}]"),
+    "out one row per sequence": ("out", lambda m: m((S, HQ, D), "bfloat16"), f"shape [{S}, {HQ}, {D}]"),
+    "tables 1-D": ("block_tables", lambda m: m((S * MAX_BLOCKS,), "int32"), "shape"),
+    "lens vs tables": ("seq_lens", lambda m: m((S + 1,), "int32"), f"shape [{S + 1}]"),
+}
+
+
 DEQUANTIZE_ERRORS = {
     "slots dtype": ("slot_mapping", lambda m: m((T,), "int32"), "dtype int32"),
     "slots 2-D": ("slot_mapping", lambda m: m((T, 1), "int64"), "shape [5, 1]"),
@@ -515,6 +571,8 @@ DEQUANTIZE_ERRORS = {
 # (operation, its valid arguments, its error cases), for the one test below.
 OPERATIONS = {"write": (fp8kturbov.write_kv, write_args, WRITE_ERRORS),
               "decode": (fp8kturbov.paged_decode, decode_args, DECODE_ERRORS),
+              "multi-token decode": (fp8kturbov.paged_decode, multi_token_decode_args,
+                                     MULTI_TOKEN_DECODE_ERRORS),
               "dequantize": (fp8kturbov.dequantize_kv, dequantize_args, DEQUANTIZE_ERRORS)}
 
 
@@ -817,8 +875,18 @@ def test_decode_workspace_is_sized_by_the_library_and_allocated_by_the_backend(m
     assert isinstance(workspace, FakeTensor) and workspace.shape == (4096,)
     assert workspace.dtype is fake_torch.uint8
     assert queries == [dict(max_blocks_per_seq=MAX_BLOCKS, num_seqs=S, num_q_heads=HQ, q_stride=HQ * D,
-                            sliding_window=9, k_scale=K_SCALE, **LAYOUT_ARGS)]
+                            sliding_window=9, k_scale=K_SCALE, max_q_len=1, **LAYOUT_ARGS)]
     assert ("device", (0,), {}) in launches  # sized on the cache's device
+    cache.decode_workspace(S, HQ, MAX_BLOCKS, max_q_len=Q_LEN)
+    assert queries[-1]["max_q_len"] == Q_LEN
+
+
+@pytest.mark.parametrize("max_q_len", [0, 17, None, 2.0])
+def test_decode_workspace_refuses_max_q_len_outside_1_to_16(monkeypatch, max_q_len):
+    monkeypatch.setattr(ops, "paged_decode_workspace_bytes", lambda **kw: pytest.fail("queried"))
+    with pytest.raises(ArgumentError) as error:
+        make_cache().decode_workspace(S, HQ, MAX_BLOCKS, max_q_len=max_q_len)
+    assert (error.value.argument, error.value.found) == ("max_q_len", repr(max_q_len))
 
 
 def test_empty_workspace_from_the_cuda_backend(monkeypatch):
@@ -839,6 +907,8 @@ def test_valid_calls_reach_the_library(make):
         fp8kturbov.write_kv(cache=cache, **write_args(make))
     with pytest.raises(fp8kturbov.CudaError):
         fp8kturbov.paged_decode(cache=cache, **decode_args(make))
+    with pytest.raises(fp8kturbov.CudaError):
+        fp8kturbov.paged_decode(cache=cache, **multi_token_decode_args(make))
     with pytest.raises(fp8kturbov.CudaError):
         fp8kturbov.dequantize_kv(cache=cache, **dequantize_args(make))
 

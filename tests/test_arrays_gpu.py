@@ -26,6 +26,7 @@ pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
 K_SCALE = 0.05
 SEQ_LENS = [0, 1, 17, 100, 250, 64]
+Q_LENS = [0, 1, 5, 16, 2, 7]  # multi-token decode: query tokens per sequence (<= its seq_len)
 
 
 class TorchArrays:
@@ -198,9 +199,11 @@ def check_write(lib: TorchArrays, cache: KVCache, rng, streams_of) -> None:
 
 
 # ---- Decode ----------------------------------------------------------------------------------------
-def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int) -> None:
+def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int,
+                 q_lens: list[int] | None = None) -> None:
     """paged_decode on a current non-default stream: padded q rows, out allocated like q, the
-    cache's own workspace, exact softmax (sparse_v_threshold = 0)."""
+    cache's own workspace, exact softmax (sparse_v_threshold = 0). ``q_lens``: a multi-token
+    decode with these query tokens per sequence (query_start on the device); None: one each."""
     layout = cache.layout
     heads, dim, block = layout.num_kv_heads, layout.head_dim, layout.block_size
     n, num_slots = layout.row_elems, layout.num_slots
@@ -217,37 +220,49 @@ def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int)
     blocks_needed = -(-seq_lens // block)
     max_blocks = int(blocks_needed.max()) + 1
     tables = shuffled_block_tables(rng, blocks_needed, layout.num_blocks, max_blocks)
+    query_start = None if q_lens is None else np.cumsum([0, *q_lens], dtype=np.int32)
+    num_rows = num_seqs if q_lens is None else int(query_start[-1])
+    max_q_len = 1 if q_lens is None else max(q_lens)
     q_stride = num_q_heads * dim + 8
-    q_host = bf16_rows(rng, num_seqs, num_q_heads * dim, q_stride)
+    q_host = bf16_rows(rng, num_rows, num_q_heads * dim, q_stride)
     q_rows, tables_dev, lens_dev = (lib.to_device(a) for a in (q_host, tables, seq_lens))
-    q = q_rows[:, :num_q_heads * dim].reshape(num_seqs, num_q_heads, dim)
-    workspace = cache.decode_workspace(num_seqs, num_q_heads, max_blocks, sliding_window=window)
+    q = q_rows[:, :num_q_heads * dim].reshape(num_rows, num_q_heads, dim)
+    multi_token = {} if q_lens is None else dict(query_start=lib.to_device(query_start),
+                                                 max_q_len=max_q_len)
+    workspace = cache.decode_workspace(num_seqs, num_q_heads, max_blocks, sliding_window=window,
+                                       max_q_len=max_q_len)
 
     streams = streams_of("paged_decode_attn")
     with lib.current_stream() as stream:
         out = fp8kturbov.paged_decode(q, cache, tables_dev, lens_dev, sliding_window=window,
-                                      sparse_v_threshold=0.0, workspace=workspace)
+                                      sparse_v_threshold=0.0, workspace=workspace, **multi_token)
     assert streams == [stream] and stream != 0
     got = lib.to_host(out)
+    assert got.shape == (num_rows, num_q_heads, dim)
     want = ref.paged_decode(q_host, k_host, v_host, tables, seq_lens, max_blocks, num_seqs,
                             num_q_heads, heads, dim, block, dim ** -0.5, K_SCALE, q_stride,
                             layout.v_block_stride_bytes, layout.v_data_section_bytes, window,
-                            layout.v_bits, k_block_stride_bytes=layout.k_block_stride_bytes)
+                            layout.v_bits, k_block_stride_bytes=layout.k_block_stride_bytes,
+                            query_start=query_start)
     got64 = got.astype(np.float64)
-    assert not np.isnan(got64).any() and np.all(got64[seq_lens == 0] == 0)
+    assert not np.isnan(got64).any()
+    if q_lens is None:
+        assert np.all(got64[seq_lens == 0] == 0)
     num = np.linalg.norm(got64 - want, axis=-1)
     den = np.linalg.norm(want, axis=-1)
     err = np.where(den > 0, num / np.where(den > 0, den, 1), num)
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
     raw_out = lib.to_device(np.full(got.shape, np.nan, dtype=BF16))
+    raw_multi_token = {} if q_lens is None else dict(
+        query_start=lib.ptr(multi_token["query_start"]), max_q_len=max_q_len, num_query_rows=num_rows)
     lib.synchronize()
     ops.paged_decode_attn(
         lib.ptr(q_rows), cache.k_ptr, cache.v_ptr, lib.ptr(raw_out), lib.ptr(tables_dev),
         lib.ptr(lens_dev), max_blocks_per_seq=max_blocks, num_seqs=num_seqs,
         num_q_heads=num_q_heads, inv_sqrt_d=dim ** -0.5, k_scale=K_SCALE, q_stride=q_stride,
         sliding_window=window, sparse_v_threshold=0.0, workspace=address(lib, workspace),
-        workspace_bytes=workspace.nbytes, **cache._layout_args())
+        workspace_bytes=workspace.nbytes, **raw_multi_token, **cache._layout_args())
     lib.synchronize()
     assert_bytes_equal(lib.to_host(raw_out), got, "decode output vs raw-pointer launch")
 
@@ -259,6 +274,16 @@ def test_decode(rng, streams_of, library, bits, window):
     lib = LIBRARIES[library]()
     with KVCache.allocate(layout_for(bits), K_SCALE, backend=lib.backend) as cache:
         check_decode(lib, cache, rng, streams_of, window)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("library", list(LIBRARIES))
+def test_multi_token_decode(rng, streams_of, library, window):
+    """paged_decode(query_start=..., max_q_len=...) with ragged q_lens (0 to 16) against the
+    reference and the raw-pointer launch."""
+    lib = LIBRARIES[library]()
+    with KVCache.allocate(layout_for(3), K_SCALE, backend=lib.backend) as cache:
+        check_decode(lib, cache, rng, streams_of, window, q_lens=Q_LENS)
 
 
 # ---- Dequantize ------------------------------------------------------------------------------------

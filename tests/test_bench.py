@@ -33,6 +33,19 @@ def test_parse_count_rejects(text):
         bench.parse_count(text)
 
 
+@pytest.mark.parametrize("text, want", [("1", 1), ("4", 4), ("16", 16)])
+def test_parse_q_len(text, want):
+    assert bench.parse_q_len(text) == want
+
+
+@pytest.mark.parametrize("text, message", [("0", "not a positive integer"),
+                                           ("17", "more than 16 query tokens"),
+                                           ("1k", "more than 16 query tokens")])
+def test_parse_q_len_rejects(text, message):
+    with pytest.raises(ValueError, match=message):
+        bench.parse_q_len(text)
+
+
 def test_parse_shapes_and_counts():
     assert bench.parse_shapes("1x32768,8x8k") == ((1, 32768), (8, 8192))
     assert bench.parse_shapes("128X2048") == ((128, 2048),)
@@ -64,6 +77,9 @@ def test_default_config_is_the_issue_table():
     ({"v_encoder": "MSE"}, "v_encoder 'MSE'"),
     ({"soft_cap": -1.0}, "soft_cap"),
     ({"soft_cap": float("inf")}, "soft_cap"),
+    ({"q_len": 0}, "q_len = 0 must be in 1..16"),
+    ({"q_len": 17}, "q_len = 17 must be in 1..16"),
+    ({"q_len": 4, "shapes": ((8, 8192), (2, 3))}, "decode shape 2x3 has fewer than q_len = 4 tokens"),
 ])
 def test_config_rejects(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -77,6 +93,13 @@ def test_cases_run_decode_then_write_with_bits_adjacent():
     assert [c.bits for c in cases[:6]] == [2, 3, 4, 2, 3, 4]
     assert cases[0].label == "1x32768" and cases[-1].label == "32768 tok"
     assert bench.build_cases(bench.Config(ops=("write",), head_dims=(128, 256)))[-1].head_dim == 256
+
+
+def test_cases_take_q_len_for_the_decode_only():
+    cases = bench.build_cases(bench.Config(shapes=((8, 8192),), tokens=(16,), bits=(3,), q_len=4))
+    assert [(c.op, c.q_len) for c in cases] == [("decode", 4), ("write", 1)]
+    # A write-only run does not look at the decode shapes' lengths.
+    assert bench.Config(ops=("write",), shapes=((1, 2),), q_len=4).q_len == 4
 
 
 # ---- Byte counts -----------------------------------------------------------------------------------
@@ -94,6 +117,19 @@ def test_decode_bytes():
     # 32768 tokens x 8 heads x (128 K + 48 V codes + 8 V scales), q and out in bf16, 2048 page
     # entries and one seq_len.
     assert bench.launch_bytes(D128_3BIT) == 32768 * 8 * 184 + 2 * 32 * 128 * 2 + (2048 + 1) * 4
+
+
+def test_multi_token_decode_reads_the_cache_once():
+    """q_len query tokens per sequence: q and the output grow by q_len rows per sequence and
+    query_start (int32 [batch + 1]) is read; the cache bytes stay those of one step."""
+    shape = bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, q_len=4)
+    one_token = bench.dataclasses.replace(shape, q_len=1)
+    assert (shape.query_rows, shape.q_elems) == (8, 8 * 32 * 128)
+    extra_q_and_out = 2 * (8 - 2) * 32 * 128 * 2
+    assert bench.launch_bytes(shape) == bench.launch_bytes(one_token) + extra_q_and_out + 3 * 4
+    assert bench.device_bytes(shape, 3) == bench.device_bytes(one_token, 3) + 3 * (extra_q_and_out + 3 * 4)
+    assert np.array_equal(shape.query_start, [0, 4, 8]) and shape.query_start.dtype == np.int32
+    assert one_token.query_start is None and one_token.query_start_bytes == 0
 
 
 def test_write_bytes():
@@ -134,8 +170,10 @@ def test_result_records_a_timing():
     assert result.gbps == pytest.approx(result.bytes / 25e-6 / 1e9)
     assert result.pct_of_ceiling == pytest.approx(100 * result.gbps / 4000.0)
     assert result.floor_us == pytest.approx(result.bytes / 4e12 * 1e6)
-    assert (result.op, result.shape, result.context) == ("decode", "1x32768", 32768)
-    assert bench.Result.for_shape(bench.Shape("write", 3, 16, 0, 128, 32, 8, 16)).context is None
+    assert (result.op, result.shape, result.context, result.q_len) == ("decode", "1x32768", 32768, 1)
+    write = bench.Result.for_shape(bench.Shape("write", 3, 16, 0, 128, 32, 8, 16))
+    assert write.context is None and write.q_len is None
+    assert bench.Result.for_shape(bench.Shape("decode", 3, 1, 64, 128, 32, 8, 16, 4)).q_len == 4
 
 
 # ---- Timing loop and pool filling, with stand-ins for the device ------------------------------------
@@ -288,6 +326,10 @@ def test_report_names_the_mode_and_the_options():
     assert ", checked mode;" in bench.format_report(fake_rows(), DEVICE, bench.Config(checked=True))
     config = bench.Config(v_encoder="mse", soft_cap=30.0, sinks=True)
     assert ", unchecked, V encoder mse, soft cap 30, sinks;" in bench.format_report(fake_rows(), DEVICE, config)
+    report = bench.format_report(fake_rows(), DEVICE, bench.Config(q_len=4))
+    assert ", unchecked, 4 query tokens per sequence (peers not run: they decode one);" in report
+    report = bench.format_report(fake_rows(), DEVICE, bench.Config(q_len=4, peers=False))
+    assert ", unchecked, 4 query tokens per sequence;" in report
 
 
 class FakeMemoryDevice:
@@ -334,6 +376,47 @@ def test_launch_options_of_the_decode_and_the_write():
     assert bench.launch_options(dev, WRITE_SHAPE, layout, config) == {"v_encoder": fp8kturbov.VEncoder.MSE}
 
 
+def test_launch_options_pass_the_query_rows_of_a_multi_token_decode():
+    layout = bench.CacheLayout(37, 16, 8, 128, 3)
+    dev = FakeMemoryDevice()
+    shape = bench.dataclasses.replace(DECODE_SHAPE, q_len=4)
+    options = bench.launch_options(dev, shape, layout, bench.Config(q_len=4))
+    assert options == {"query_start": 0x9001, "num_query_rows": 8}
+    assert dev.uploads[0].dtype == np.int32 and np.array_equal(dev.uploads[0], [0, 4, 8])
+    assert bench.decode_scalars(shape, layout, 0.1, 0.0)["max_q_len"] == 4
+    assert bench.decode_scalars(DECODE_SHAPE, layout, 0.1, 0.0)["max_q_len"] == 1
+
+
+class FakeRunnerDevice:
+    """The part of `bench.Device` that `_Runner.case` asks directly (the launches are stubbed)."""
+
+    def attribute(self, name: str) -> int:
+        return 60 << 20
+
+    def memory(self) -> tuple[int, int]:
+        return 100 << 30, 141 << 30
+
+    @contextlib.contextmanager
+    def scope(self):
+        yield
+
+
+def test_peers_run_only_for_one_query_token(monkeypatch):
+    peer_runs = []
+    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
+    monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling:
+                        peer_runs.append((name, shape.q_len)) or {"status": "absent"})
+    for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_flashinfer", 1)])]:
+        peer_runs.clear()
+        config = bench.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), q_len=q_len)
+        (shape,) = bench.build_cases(config)
+        result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+        assert (result.q_len, result.median_us) == (q_len, 9.0) and peer_runs == peers_run
+        assert set(result.peers) == {name for name, _ in peers_run}
+
+
 def test_table_columns_align():
     table = bench.format_table([("a", "1.5"), ("bbb", "10.25")], ("name", "us"))
     assert table.splitlines() == ["name     us", "----  -----", "a       1.5", "bbb   10.25"]
@@ -353,6 +436,9 @@ def test_json_schema(tmp_path):
     peer = document["rows"][2]["peers"]["bf16_sdpa"]
     assert set(peer) == {"status", "bytes", "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}
     assert document["rows"][3]["median_us"] is None
+    assert [row["q_len"] for row in document["rows"]] == [None, None, 1, 1, None]
+    bench.write_json(tmp_path / "q4.json", rows, DEVICE, bench.Config(q_len=4))
+    assert json.loads((tmp_path / "q4.json").read_text())["config"]["q_len"] == 4
 
 
 def test_plot(tmp_path, monkeypatch):
@@ -381,11 +467,13 @@ def test_cli_options_become_a_config():
         ["bench", "--op", "decode", "--shapes", "1x32768,8x8k", "--bits", "3", "--head-dim",
          "128,256", "--q-heads", "16", "--kv-heads", "4", "--block-size", "32", "--iters", "50",
          "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--checked", "--v-encoder",
-         "mse", "--soft-cap", "30", "--sinks", "--no-peers", "--json", "out.json", "--plot", "out.png"])
+         "mse", "--soft-cap", "30", "--sinks", "--q-len", "4", "--no-peers", "--json", "out.json",
+         "--plot", "out.png"])
     assert config_from_args(args) == bench.Config(
         ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
         num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
-        sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True, peers=False)
+        sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True, q_len=4,
+        peers=False)
     assert (args.json, args.plot) == ("out.json", "out.png")
     assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
 
@@ -394,6 +482,8 @@ def test_cli_options_become_a_config():
     (["bench", "--shapes", "8x"], "argument --shapes"),
     (["bench", "--bits", "3,x"], "argument --bits"),
     (["bench", "--op", "prefill"], "argument --op"),
+    (["bench", "--q-len", "0"], "argument --q-len: '0' is not a positive integer"),
+    (["bench", "--q-len", "17"], "argument --q-len: '17' is more than 16 query tokens per sequence"),
     ([], "required: COMMAND"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
@@ -430,7 +520,7 @@ def _run_module(*args: str) -> subprocess.CompletedProcess:
 
 def test_module_help():
     done = _run_module("bench", "--help")
-    assert done.returncode == 0 and "--sparse-v-threshold" in done.stdout
+    assert done.returncode == 0 and "--sparse-v-threshold" in done.stdout and "--q-len N" in done.stdout
 
 
 def test_module_without_a_gpu_fails_in_one_line():
@@ -467,3 +557,18 @@ def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
     assert "copy bandwidth (read+write)" in report and "launch floor" in report
     bench.write_json(tmp_path / "bench.json", rows, device, config)
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][2]["op"] == "decode"
+
+
+@pytest.mark.gpu
+def test_gpu_cli_multi_token_decode_one_tiny_shape(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--op", "decode", "--shapes", "2x300", "--bits", "3", "--iters", "5",
+                 "--warmup", "2", "--sets", "2", "--q-len", "4", "--no-progress",
+                 "--json", str(path)]) == 0
+    assert "4 query tokens per sequence" in capsys.readouterr().out
+    document = json.loads(path.read_text())
+    assert document["config"]["q_len"] == 4
+    decode = document["rows"][2]
+    assert (decode["op"], decode["q_len"], decode["samples"], decode["peers"]) == ("decode", 4, 5, {})
+    assert decode["median_us"] > 0 and decode["note"] in ("", "L2")
+    assert decode["bytes"] == bench.launch_bytes(bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, 4))

@@ -26,7 +26,8 @@ from test_collateral_writes import (BF16, K_SCALE, KEY_PAD, PADDING, VALUE_PAD, 
 
 pytestmark = pytest.mark.gpu
 
-SLOT, BLOCK_TABLE, SEQ_LEN = fp8kturbov.IndexErrorFlags  # fp8kturbov_index_error_t
+FLAGS = fp8kturbov.IndexErrorFlags  # fp8kturbov_index_error_t
+SLOT, BLOCK_TABLE, SEQ_LEN = FLAGS.SLOT, FLAGS.BLOCK_TABLE, FLAGS.SEQ_LEN
 
 
 @pytest.fixture(scope="module")

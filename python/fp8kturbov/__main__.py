@@ -52,6 +52,13 @@ def add_head_arguments(parser: argparse.ArgumentParser, num_q_heads: int, num_kv
                         help=f"tokens per page (default: {block_size})")
 
 
+def add_q_len_argument(parser: argparse.ArgumentParser, q_len: int) -> None:
+    """``--q-len`` (query tokens per sequence, 1..MAX_Q_LEN) with this default."""
+    parser.add_argument("--q-len", type=_typed(bench.parse_q_len), metavar="N", default=q_len,
+                        help=f"decode N query tokens per sequence (multi-token decode through "
+                        f"query_start), 1..{bench.MAX_Q_LEN} (default: {q_len})")
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench``; the defaults are `fp8kturbov.bench.Config`'s."""
     d = bench.Config()
@@ -88,6 +95,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soft-cap", type=float, metavar="CAP", default=d.soft_cap,
                         help="decode with logit soft-capping at CAP (default: off)")
     parser.add_argument("--sinks", action="store_true", help="decode with attention sinks")
+    add_q_len_argument(parser, d.q_len)
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
     parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
@@ -103,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
-        peers=not args.no_peers, seed=args.seed)
+        q_len=args.q_len, peers=not args.no_peers, seed=args.seed)
 
 
 def _error(message: str, command: str = "bench") -> None:
@@ -217,7 +225,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-file", metavar="PATH.npz",
                         help="take K and V from arrays k, v [num_tokens, kv_heads, head_dim] "
                         "(sequences back to back; they set --kv-heads and --head-dim), and "
-                        "seq_lens and q [num_seqs, q_heads, head_dim] where present")
+                        "seq_lens and q [num_seqs * q-len, q_heads, head_dim] where present")
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=1e-3,
                         help="decode's sparse-V threshold, 0 = exact (default: 1e-3)")
     parser.add_argument("--v-encoder", choices=bench.V_ENCODER_NAMES, default="matched_norm",
@@ -226,6 +234,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode with logit soft-capping at CAP (default: off)")
     parser.add_argument("--sinks", action="store_true",
                         help="decode with attention sinks (random logits, N(0, 4), per query head)")
+    add_q_len_argument(parser, 1)
     parser.add_argument("--iters", type=count, metavar="N", default=20,
                         help="timed runs per kernel; the median is reported (default: 20)")
     parser.add_argument("--cpu", action="store_true",

@@ -76,6 +76,7 @@ class IndexErrorFlags(enum.IntFlag):
     SLOT = 1
     BLOCK_TABLE = 2
     SEQ_LEN = 4
+    QUERY_START = 8
 
 
 # What each flag means and what the kernels did about it (the header's comments).
@@ -87,6 +88,11 @@ _INDEX_ERROR_MEANINGS: dict[IndexErrorFlags, str] = {
                                  "(neither read nor counted in the softmax)",
     IndexErrorFlags.SEQ_LEN: "a seq_len was < 0 or > max_blocks_per_seq * block_size, so the "
                              "decode clamped it to that range",
+    IndexErrorFlags.QUERY_START: "a multi-token decode's query_start was negative or decreasing, "
+                                 "or gave a q_len above max_q_len or rows past num_query_rows, so "
+                                 "the decode skipped that sequence (its outputs not written); or a "
+                                 "q_len above the sequence's seq_len, whose rows were computed by "
+                                 "the causal rule (zeros where nothing is attended)",
 }
 _KNOWN_INDEX_ERRORS = sum(_INDEX_ERROR_MEANINGS)
 
@@ -95,8 +101,9 @@ class CacheIndexError(RuntimeError):
     """Checked mode found indices outside the pools since the error word was last zeroed.
 
     ``flags`` (:class:`IndexErrorFlags`) says which kinds; the message names each with what the
-    kernels did: the out-of-range work was skipped or clamped, never read or written outside the
-    pools. Bits this package does not know (from a newer library) are shown in hex."""
+    kernels did: the out-of-range work was skipped or clamped (a q_len above its seq_len computed
+    by the causal rule), never read or written outside the pools or the output. Bits this package
+    does not know (from a newer library) are shown in hex."""
 
     def __init__(self, flags: int) -> None:
         self.flags = IndexErrorFlags(flags)

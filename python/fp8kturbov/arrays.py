@@ -50,6 +50,7 @@ import ctypes
 import functools
 import importlib
 import math
+import operator
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ if TYPE_CHECKING:
 __all__ = ["ArgumentError", "DeviceBuffer", "KVCache", "dequantize_kv", "paged_decode", "write_kv"]
 
 BACKENDS = ("torch", "cupy", "cuda")
+#: The library's limit on the query rows of one sequence in a multi-token decode (``max_q_len``).
+MAX_Q_LEN = 16
 
 
 class ArgumentError(InvalidValueError):
@@ -311,6 +314,18 @@ def _check_token_rows(array: _Array, layout: CacheLayout) -> int:
     _check_array(array, "bfloat16", shape,
                  f"[num_tokens, {heads * dim}] or [num_tokens, {heads}, {dim}]", dense_from=1)
     return _row_stride(array, heads * dim)
+
+
+def _check_max_q_len(max_q_len: Any) -> int:
+    """``max_q_len`` as an int in ``1..MAX_Q_LEN`` (a host value: the library never reads
+    ``query_start`` on the host)."""
+    try:
+        value = None if isinstance(max_q_len, bool) else operator.index(max_q_len)
+    except TypeError:
+        value = None
+    if value is None or not 1 <= value <= MAX_Q_LEN:
+        raise ArgumentError("max_q_len", repr(max_q_len), f"an int in 1..{MAX_Q_LEN}")
+    return value
 
 
 def _positive_finite(name: str, value: Any) -> float:
@@ -602,24 +617,27 @@ class KVCache:
         return cache
 
     def decode_workspace(self, num_seqs: int, num_q_heads: int, max_blocks_per_seq: int,
-                         sliding_window: int = 0) -> Any:
+                         sliding_window: int = 0, max_q_len: int = 1) -> Any:
         """Scratch for :func:`paged_decode` with this shape: ``ops.paged_decode_workspace_bytes``
         BYTES (sized for this cache's device, whose SM count sets the split) of uninitialised
         memory from this cache's backend, as a 1-D uint8 array (a :class:`DeviceBuffer` for
-        "cuda"; empty when splitting would not help). Allocate once, reuse every step: a decode
-        whose shape needs more than the buffer holds runs unsplit (slower, no less correct)."""
+        "cuda"; empty when splitting would not help). ``max_q_len`` (1..16): the query rows per
+        sequence of a multi-token decode, as passed to :func:`paged_decode` with ``query_start``
+        (the workspace grows with it). Allocate once, reuse every step: a decode whose shape needs
+        more than the buffer holds runs unsplit (slower, no less correct)."""
         layout = _open(self).layout
+        max_q_len = _check_max_q_len(max_q_len)
         with _on_device(self.device):
             nbytes = ops.paged_decode_workspace_bytes(
                 max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
                 q_stride=num_q_heads * layout.head_dim, sliding_window=sliding_window,
-                k_scale=self.k_scale, **self._layout_args())
+                k_scale=self.k_scale, max_q_len=max_q_len, **self._layout_args())
         return _allocate(self.backend, (nbytes,), "uint8", self.device or 0)
 
     def check_errors(self, stream: Any = None) -> None:
         """Raise :class:`~fp8kturbov.CacheIndexError` if the launches on this cache queued on
         ``stream`` so far met slots or block-table entries outside ``layout.num_blocks`` pages
-        (or seq_lens out of range), after zeroing the error word for the next ones
+        (or seq_lens or query_start out of range), after zeroing the error word for the next ones
         (:meth:`ErrorWord.check <fp8kturbov.ErrorWord.check>`). The host waits for ``stream``
         (any kind the launches take). An :class:`ArgumentError` if the cache is not checked."""
         if _open(self).error_word is None:
@@ -801,40 +819,70 @@ def _v_encoder(v_encoder: Any) -> VEncoder:
 def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, out: Any = None,
                  inv_sqrt_d: float | None = None, sliding_window: int = 0,
                  sparse_v_threshold: float = 1e-3, workspace: Any = None,
-                 sinks: Any = None, soft_cap: float = 0.0, stream: Any = None) -> Any:
+                 sinks: Any = None, soft_cap: float = 0.0, query_start: Any = None,
+                 max_q_len: int | None = None, stream: Any = None) -> Any:
     """Paged decode attention over the cache (docs/format.md §5); returns ``out``.
 
-    ``q``: bf16 ``[num_seqs, num_q_heads, head_dim]``, heads contiguous, any row stride (ELEMENTS)
-    of at least ``num_q_heads*head_dim``; ``num_q_heads`` a multiple of the cache's
-    ``num_kv_heads``. ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``, contiguous.
-    ``seq_lens``: int32 ``[num_seqs]``, contiguous. ``out``: bf16, dense, q's shape; None allocates
-    it like q (torch or CuPy q only; on their allocator's current stream). ``inv_sqrt_d`` defaults
-    to ``head_dim**-0.5``; ``sliding_window`` 0 is off; ``sparse_v_threshold`` 0 is exact.
+    ``q``: bf16 ``[num_seqs, num_q_heads, head_dim]`` (with ``query_start``:
+    ``[num_query_rows, num_q_heads, head_dim]``), heads contiguous, any row stride (ELEMENTS) of at
+    least ``num_q_heads*head_dim``; ``num_q_heads`` a multiple of the cache's ``num_kv_heads``.
+    ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``, contiguous. ``seq_lens``: int32
+    ``[num_seqs]``, contiguous. ``out``: bf16, dense, q's shape; None allocates it like q (torch or
+    CuPy q only; on their allocator's current stream). ``inv_sqrt_d`` defaults to
+    ``head_dim**-0.5``; ``sliding_window`` 0 is off; ``sparse_v_threshold`` 0 is exact.
     ``workspace``: any contiguous writable device array (its size in BYTES is passed), e.g. from
     :meth:`KVCache.decode_workspace`; None runs unsplit. On a checked cache, block-table entries
     outside ``layout.num_blocks`` pages are left out and out-of-range seq_lens clamped, both
     reported (:meth:`KVCache.check_errors`). ``sinks``: float32 ``[num_q_heads]``, contiguous,
     one attention-sink logit per query head (in score units), joining the softmax denominator
     only; None for none. ``soft_cap`` > 0: scores become ``soft_cap·tanh(score / soft_cap)``; 0 is
-    off. Streams: see the module docstring.
+    off.
+
+    Multi-token decode (speculative or chunked decode): ``query_start``, int32 ``[num_seqs + 1]``,
+    contiguous, on the device like ``block_tables``, non-decreasing from 0: sequence ``s`` owns the
+    rows ``query_start[s] .. query_start[s+1]-1`` of q and out, ``q_len = query_start[s+1] -
+    query_start[s]`` (0 to ``min(max_q_len, seq_len)``); its token ``i`` attends the positions
+    before ``seq_len - q_len + i + 1``, the sliding window counting back from there. ``num_seqs``
+    is then ``block_tables.shape[0]`` and ``num_query_rows = q.shape[0]`` (rows past
+    ``query_start[num_seqs]`` are not written). ``max_q_len``: the largest ``q_len``, a host int in
+    1..16, required with ``query_start`` (the library never reads ``query_start`` on the host, so
+    nothing synchronises) and refused without it; size the workspace with the same value. A checked cache
+    also reports a ``query_start`` that breaks these rules (the sequence is skipped). None: one
+    query row per sequence. Streams: see the module docstring.
     """
     layout = _open(cache).layout
+    multi_token = query_start is not None
+    if multi_token:
+        max_q_len = _check_max_q_len(max_q_len)
+    elif max_q_len is not None:
+        raise ArgumentError("max_q_len", repr(max_q_len), "None without query_start")
     if out is None:
         out = _new_output(q)
     call = _Call.gather(stream, q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
-                        workspace=workspace, sinks=sinks)
+                        workspace=workspace, sinks=sinks, query_start=query_start)
     q_array, heads, dim = call["q"], layout.num_kv_heads, layout.head_dim
-    _check_array(q_array, "bfloat16", (None, None, dim), f"[num_seqs, num_q_heads, {dim}]",
+    rows_text = "num_query_rows" if multi_token else "num_seqs"
+    _check_array(q_array, "bfloat16", (None, None, dim), f"[{rows_text}, num_q_heads, {dim}]",
                  dense_from=1)
-    num_seqs, num_q_heads = q_array.shape[:2]
+    num_rows, num_q_heads = q_array.shape[:2]
     if num_q_heads == 0 or num_q_heads % heads:
         raise ArgumentError("q", f"{num_q_heads} query heads",
                             f"a positive multiple of the cache's num_kv_heads = {heads}")
     q_stride = _row_stride(q_array, num_q_heads * dim)
     if call.get("sinks") is not None:
         _check_array(call["sinks"], "float32", (num_q_heads,), f"[{num_q_heads}] (num_q_heads)")
-    _check_array(call["block_tables"], "int32", (num_seqs, None),
-                 f"[{num_seqs} (num_seqs), max_blocks_per_seq]")
+    if multi_token:
+        _check_array(call["block_tables"], "int32", (None, None), "[num_seqs, max_blocks_per_seq]")
+        num_seqs = call["block_tables"].shape[0]
+        _check_array(call["query_start"], "int32", (num_seqs + 1,),
+                     f"[{num_seqs + 1}] (num_seqs + 1)")
+        query_row_args = dict(query_start=call["query_start"].ptr, max_q_len=max_q_len,
+                              num_query_rows=num_rows)
+    else:
+        num_seqs = num_rows
+        _check_array(call["block_tables"], "int32", (num_seqs, None),
+                     f"[{num_seqs} (num_seqs), max_blocks_per_seq]")
+        query_row_args = dict(query_start=0, max_q_len=0, num_query_rows=0)
     _check_array(call["seq_lens"], "int32", (num_seqs,), f"[{num_seqs}] (num_seqs)")
     _check_array(call["out"], "bfloat16", q_array.shape, f"{list(q_array.shape)} (as q)")
     _check_writable(call["out"])
@@ -854,7 +902,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
             workspace=scratch.ptr if scratch is not None else 0,
             workspace_bytes=scratch.nbytes if scratch is not None else 0,
             sinks=call["sinks"].ptr if call.get("sinks") is not None else 0, soft_cap=soft_cap,
-            stream=call.stream, **cache._layout_args(), **cache._checked_args())
+            stream=call.stream, **query_row_args, **cache._layout_args(), **cache._checked_args())
     return out
 
 

@@ -18,7 +18,9 @@ What is measured
 * **decode / write**: one library launch per CUDA graph (one graph per input set), replayed.
 * **peers** (decode only, shared by the rows of one shape whatever the V bits): torch's
   ``scaled_dot_product_attention`` over contiguous BF16 K/V (``bf16_sdpa``) and flashinfer's
-  paged decode over an FP8 E4M3 cache (``fp8_flashinfer``), each "absent" when not importable.
+  paged decode over an FP8 E4M3 cache (``fp8_flashinfer``), each "absent" when not importable;
+  both decode one query token per sequence, so they do not run with ``q_len > 1`` (``--q-len``,
+  the multi-token decode through ``query_start``).
 
 How a time is taken
 -------------------
@@ -60,6 +62,7 @@ import numpy as np
 from . import (CacheLayout, VEncoder, paged_decode_attn, paged_decode_workspace_bytes,
                reshape_and_cache, version)
 from ._device import BenchError, Device, cu, driver_call, first_line
+from .arrays import MAX_Q_LEN
 
 GiB = 1 << 30
 DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
@@ -101,6 +104,14 @@ def parse_counts(text: str) -> tuple[int, ...]:
     return tuple(parse_count(item) for item in text.split(","))
 
 
+def parse_q_len(text: str) -> int:
+    """Query tokens per sequence: a `parse_count` of at most ``MAX_Q_LEN`` (the library's limit)."""
+    count = parse_count(text)
+    if count > MAX_Q_LEN:
+        raise ValueError(f"{text!r} is more than {MAX_Q_LEN} query tokens per sequence")
+    return count
+
+
 def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     """Decode shapes ``"BATCHxCONTEXT,..."``: ``"1x32768,8x8k"`` -> ``((1, 32768), (8, 8192))``."""
     shapes = []
@@ -132,7 +143,8 @@ class Config:
     v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
     soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
     sinks: bool = False  # decode with attention sinks (zero logits)
-    peers: bool = True
+    q_len: int = 1  # decode: query tokens per sequence (1: no query_start, the one-token decode)
+    peers: bool = True  # not run with q_len > 1: they decode one query token per sequence
     copy_bytes: int = 2 * GiB  # one direction of the ceiling copy
     chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
     seed: int = 0
@@ -157,6 +169,11 @@ class Config:
             problems.append(f"v_encoder {self.v_encoder!r} is not one of {V_ENCODER_NAMES}")
         if not 0 <= self.soft_cap < float("inf"):
             problems.append(f"soft_cap = {self.soft_cap} must be finite and >= 0")
+        if not 1 <= self.q_len <= MAX_Q_LEN:
+            problems.append(f"q_len = {self.q_len} must be in 1..{MAX_Q_LEN}")
+        elif "decode" in self.ops:
+            problems += [f"decode shape {batch}x{context} has fewer than q_len = {self.q_len} tokens"
+                         for batch, context in self.shapes if context < self.q_len]
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -165,8 +182,9 @@ class Config:
 class Shape:
     """One benchmark case.
 
-    ``op == "decode"``: ``batch`` sequences of ``context`` cached tokens, one query token each.
-    ``op == "write"``: ``batch`` token rows written, ``context == 0``.
+    ``op == "decode"``: ``batch`` sequences of ``context`` cached tokens, ``q_len`` query tokens
+    each (the last ``q_len`` positions; with ``q_len > 1`` passed through ``query_start``).
+    ``op == "write"``: ``batch`` token rows written, ``context == 0``, ``q_len == 1``.
     """
 
     op: str
@@ -177,6 +195,7 @@ class Shape:
     num_q_heads: int
     num_kv_heads: int
     block_size: int
+    q_len: int = 1
 
     @property
     def label(self) -> str:
@@ -201,9 +220,27 @@ class Shape:
         return -(-self.batch // self.block_size)
 
     @property
+    def query_rows(self) -> int:
+        """Rows of q and of the output (decode): ``batch * q_len``."""
+        return self.batch * self.q_len
+
+    @property
     def q_elems(self) -> int:
-        """Elements of q, and of the output (decode): ``batch * num_q_heads * head_dim``."""
-        return self.batch * self.num_q_heads * self.head_dim
+        """Elements of q, and of the output (decode): ``query_rows * num_q_heads * head_dim``."""
+        return self.query_rows * self.num_q_heads * self.head_dim
+
+    @property
+    def query_start(self) -> np.ndarray | None:
+        """The decode's int32 ``query_start`` ``[batch + 1]`` (``q_len`` rows per sequence), or
+        None for ``q_len == 1``, which passes none (one query row per sequence)."""
+        if self.q_len == 1:
+            return None
+        return np.arange(self.batch + 1, dtype=np.int32) * self.q_len
+
+    @property
+    def query_start_bytes(self) -> int:
+        """Bytes of `query_start` (int32), 0 where there is none."""
+        return 0 if self.q_len == 1 else (self.batch + 1) * 4
 
     def describe(self) -> str:
         return f"{self.op} {self.bits}b D{self.head_dim} {self.label}"
@@ -214,7 +251,8 @@ def build_cases(config: Config) -> list[Shape]:
     so that the peers (which ignore the bits) run once per shape."""
     heads = (config.num_q_heads, config.num_kv_heads, config.block_size)
     sizes = {"decode": config.shapes, "write": [(tokens, 0) for tokens in config.tokens]}
-    return [Shape(op, bits, batch, context, head_dim, *heads)
+    q_lens = {"decode": config.q_len, "write": 1}
+    return [Shape(op, bits, batch, context, head_dim, *heads, q_lens[op])
             for op in OPS if op in config.ops
             for head_dim in config.head_dims
             for batch, context in sizes[op]
@@ -234,14 +272,16 @@ def cache_bytes_per_token(shape: Shape) -> int:
 def launch_bytes(shape: Shape) -> int:
     """Bytes one launch must move.
 
-    decode: the cache bytes of every attended token, q read and the output written (bf16), the
-    used block-table entries and seq_lens (int32). write: the bf16 K and V rows read, their
-    cache bytes written, and the int64 slot mapping.
+    decode: the cache bytes of every attended token (once, whatever ``q_len``: the query tokens
+    of a sequence attend its positions together), q read and the output written (bf16,
+    ``q_len`` rows per sequence), the used block-table entries and seq_lens (int32), and
+    ``query_start`` (int32) where ``q_len > 1``. write: the bf16 K and V rows read, their cache
+    bytes written, and the int64 slot mapping.
     """
     if shape.op == "decode":
         tables = shape.batch * (shape.blocks_per_seq + 1) * 4
         return (shape.batch * shape.context * cache_bytes_per_token(shape)
-                + 2 * shape.q_elems * BF16_BYTES + tables)
+                + 2 * shape.q_elems * BF16_BYTES + tables + shape.query_start_bytes)
     rows_read = shape.batch * shape.row_elems * 2 * BF16_BYTES
     return rows_read + shape.batch * (cache_bytes_per_token(shape) + 8)
 
@@ -258,7 +298,8 @@ def device_bytes(shape: Shape, sets: int) -> int:
     pool_slots = shape.num_blocks * shape.block_size
     pools = pool_slots * cache_bytes_per_token(shape)
     if shape.op == "decode":
-        per_set = pools + 2 * shape.q_elems * BF16_BYTES + (shape.num_blocks + shape.batch) * 4
+        per_set = (pools + 2 * shape.q_elems * BF16_BYTES + (shape.num_blocks + shape.batch) * 4
+                   + shape.query_start_bytes)
     else:
         per_set = pools + shape.batch * (2 * shape.row_elems * BF16_BYTES + 8)
     return sets * per_set
@@ -320,6 +361,7 @@ class Result:
     num_q_heads: int | None = None
     num_kv_heads: int | None = None
     block_size: int | None = None
+    q_len: int | None = None
     bytes: int = 0
     median_us: float | None = None
     min_us: float | None = None
@@ -334,7 +376,7 @@ class Result:
     def for_shape(cls, shape: Shape) -> Result:
         fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(Shape)}
         if shape.op == "write":
-            fields["context"] = None
+            fields["context"] = fields["q_len"] = None
         return cls(shape=shape.label, bytes=launch_bytes(shape), **fields)
 
     def record(self, timing: Timing, ceiling_gbps: float) -> None:
@@ -469,19 +511,30 @@ def _page_strides(layout: CacheLayout) -> dict[str, int]:
 
 def decode_scalars(shape: Shape, layout: CacheLayout, k_scale: float,
                    sparse_v_threshold: float) -> dict[str, Any]:
-    """The decode's scalar arguments for ``shape`` (shared by the launch and the workspace query)."""
+    """The decode's scalar arguments for ``shape`` (shared by the launch and the workspace query;
+    ``max_q_len`` sizes both, and is ignored by the launch without `query_start_arguments`)."""
     return dict(max_blocks_per_seq=shape.blocks_per_seq, num_seqs=shape.batch,
                 num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
                 head_dim=shape.head_dim, block_size=shape.block_size,
                 inv_sqrt_d=shape.head_dim ** -0.5, k_scale=k_scale,
                 q_stride=shape.num_q_heads * shape.head_dim, v_bits=shape.bits,
-                sparse_v_threshold=sparse_v_threshold, **_page_strides(layout))
+                sparse_v_threshold=sparse_v_threshold, max_q_len=shape.q_len,
+                **_page_strides(layout))
+
+
+def query_start_arguments(dev: Device, shape: Shape) -> dict[str, Any]:
+    """The multi-token decode's arguments of one input set: `Shape.query_start` uploaded and
+    ``num_query_rows``; none where ``shape.q_len == 1`` (one query row per sequence)."""
+    starts = shape.query_start
+    if starts is None:
+        return {}
+    return {"query_start": dev.upload(starts), "num_query_rows": shape.query_rows}
 
 
 def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Config) -> dict[str, Any]:
     """The optional arguments of one input set's launch: checked mode (the pools' page count and
-    a zeroed error word), the decode's sinks (zero logits) and soft cap, the write's V encoder;
-    only those ``config`` turns on."""
+    a zeroed error word), the decode's sinks (zero logits), soft cap and query rows
+    (`query_start_arguments`), the write's V encoder; only those ``config`` and ``shape`` turn on."""
     options: dict[str, Any] = {}
     if config.checked:
         word = dev.alloc(4)
@@ -492,6 +545,7 @@ def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Confi
             options["sinks"] = dev.upload(np.zeros(shape.num_q_heads, dtype=np.float32))
         if config.soft_cap:
             options["soft_cap"] = config.soft_cap
+        options.update(query_start_arguments(dev, shape))
     elif config.v_encoder != "matched_norm":
         options["v_encoder"] = VEncoder[config.v_encoder.upper()]
     return options
@@ -518,7 +572,8 @@ def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: Wri
 def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
                     rng: np.random.Generator) -> list[Callable[[], None]]:
     """One decode launch per input set: pools filled with ``chunk``, each sequence on its own
-    pages in a random order, every sequence ``context`` tokens long, random bf16 q."""
+    pages in a random order, every sequence ``context`` tokens long, random bf16 q of
+    ``q_len`` rows per sequence."""
     layout = _layout(shape)
     scalars = decode_scalars(shape, layout, chunk.k_scale, config.sparse_v_threshold)
     workspace_bytes = paged_decode_workspace_bytes(**scalars)
@@ -764,7 +819,7 @@ class _Runner:
                           self.ceiling)
         if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
             result.note = "L2"
-        if shape.op == "decode" and self.config.peers:
+        if shape.op == "decode" and self.config.peers and shape.q_len == 1:
             result.peers = self.peers(shape)
         return result
 
@@ -913,6 +968,9 @@ def _options_text(config: Config) -> str:
     """The options that are on, for the report (nothing when all are off)."""
     on = ([f"V encoder {config.v_encoder}"] if config.v_encoder != "matched_norm" else []) + \
          ([f"soft cap {config.soft_cap:g}"] if config.soft_cap else []) + (["sinks"] if config.sinks else [])
+    if config.q_len > 1:
+        on.append(f"{config.q_len} query tokens per sequence"
+                  + (" (peers not run: they decode one)" if config.peers else ""))
     return "".join(f", {text}" for text in on)
 
 
@@ -945,8 +1003,10 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
          "rows": [{"op": "copy"|"launch"|"decode"|"write",
                    "shape": "8x8192" | "128 tok" | description,
                    "bits", "batch", "context", "head_dim", "num_q_heads", "num_kv_heads",
-                   "block_size": int|null  (null where not applicable; for write, "batch" is
-                                           the token rows written and "context" is null),
+                   "block_size", "q_len": int|null  (null where not applicable; for write,
+                                           "batch" is the token rows written, "context" and
+                                           "q_len" are null; "q_len": query tokens per
+                                           sequence of the decode),
                    "bytes": int            bytes the launch must move (see launch_bytes),
                    "median_us", "min_us": float|null  per launch, µs (null: skipped),
                    "samples": int,

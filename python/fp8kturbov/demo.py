@@ -43,7 +43,7 @@ class DemoCase:
 
     keys: np.ndarray  # bf16 [num_tokens, num_kv_heads, head_dim]
     values: np.ndarray  # bf16, like keys
-    q: np.ndarray  # bf16 [num_seqs, num_q_heads, head_dim]
+    q: np.ndarray  # bf16 [num_seqs * q_len, num_q_heads, head_dim]: each sequence's rows in turn
     seq_lens: np.ndarray  # int32 [num_seqs]
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks_per_seq]: page ids, shuffled
     layout: CacheLayout  # exactly the pages the sequences need
@@ -53,6 +53,7 @@ class DemoCase:
     v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
     soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
     sinks: np.ndarray | None = None  # float32 [num_q_heads] attention-sink logits, or None
+    q_len: int = 1  # query tokens per sequence: its last q_len positions (multi-token decode)
 
     @property
     def starts(self) -> np.ndarray:
@@ -72,15 +73,16 @@ class DemoCase:
         return len(self.keys) * self.layout.bytes_per_token
 
     def shape(self, op: str) -> bench.Shape:
-        """The `bench.Shape` of the write (all token rows) or of the decode (longest sequence)."""
-        batch, context = ((len(self.keys), 0) if op == "write"
-                          else (len(self.seq_lens), int(self.seq_lens.max())))
+        """The `bench.Shape` of the write (all token rows) or of the decode (longest sequence,
+        ``q_len`` query tokens per sequence)."""
+        batch, context, q_len = ((len(self.keys), 0, 1) if op == "write"
+                                 else (len(self.seq_lens), int(self.seq_lens.max()), self.q_len))
         return bench.Shape(op, self.layout.v_bits, batch, context, self.layout.head_dim,
-                           self.q.shape[1], self.layout.num_kv_heads, self.layout.block_size)
+                           self.q.shape[1], self.layout.num_kv_heads, self.layout.block_size, q_len)
 
     def decode_scalars(self, sparse_v_threshold: float) -> dict[str, Any]:
         """The decode's scalar arguments (``inv_sqrt_d = head_dim ** -0.5``, dense q; the
-        sinks are not a scalar: see `run_kernels`)."""
+        sinks and query_start are not scalars: see `run_kernels`)."""
         return {**bench.decode_scalars(self.shape("decode"), self.layout, self.k_scale,
                                        sparse_v_threshold), "soft_cap": self.soft_cap}
 
@@ -97,7 +99,8 @@ def random_kv(rng: np.random.Generator, num_tokens: int, num_kv_heads: int,
 def load_kv_file(path: str) -> dict[str, np.ndarray]:
     """The arrays of a ``--kv-file``: ``k`` and ``v`` (float, ``[num_tokens, num_kv_heads,
     head_dim]``, the sequences back to back), optionally ``seq_lens`` (int, tokens per sequence)
-    and ``q`` (float, ``[num_seqs, num_q_heads, head_dim]``). Raises ValueError or OSError."""
+    and ``q`` (float, ``[num_seqs * q_len, num_q_heads, head_dim]``). Raises ValueError or
+    OSError."""
     with np.load(path) as npz:
         missing = {"k", "v"} - set(npz.files)
         if missing:
@@ -111,17 +114,21 @@ def load_kv_file(path: str) -> dict[str, np.ndarray]:
 
 
 def make_case(keys: np.ndarray, values: np.ndarray, q: np.ndarray, seq_lens: Sequence[int],
-              bits: int, block_size: int, rng: np.random.Generator) -> DemoCase:
+              bits: int, block_size: int, rng: np.random.Generator, q_len: int = 1) -> DemoCase:
     """A `DemoCase`: bf16 inputs, each sequence on its own pages in a shuffled order, random
-    poison in the pools, ``k_scale`` from `planning.calibrate_k_scale`. Raises ValueError."""
+    poison in the pools, ``k_scale`` from `planning.calibrate_k_scale`; ``q`` holds ``q_len``
+    query rows per sequence. Raises ValueError."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     if lens.ndim != 1 or lens.size == 0 or lens.min() < 1 or lens.sum() != len(keys):
         raise ValueError(f"sequence lengths {lens.tolist()} must be >= 1 and add up to the "
                          f"{len(keys)} token rows of K and V")
+    if lens.min() < q_len:
+        raise ValueError(f"q_len {q_len} is more than the {lens.min()} tokens of the shortest "
+                         "sequence")
     num_kv_heads, head_dim = keys.shape[1:]
-    if q.shape[0] != lens.size or q.shape[2:] != (head_dim,) or q.shape[1] % num_kv_heads:
-        raise ValueError(f"q {q.shape} must be [{lens.size} sequences, a multiple of "
-                         f"{num_kv_heads} query heads, {head_dim}]")
+    if q.shape[0] != lens.size * q_len or q.shape[2:] != (head_dim,) or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q {q.shape} must be [{lens.size * q_len} query rows ({q_len} per "
+                         f"sequence), a multiple of {num_kv_heads} query heads, {head_dim}]")
     pages = -(-lens // block_size)
     layout = CacheLayout(int(pages.sum()), block_size, num_kv_heads, head_dim, bits)
     order = rng.permutation(layout.num_blocks).astype(np.int32)
@@ -133,7 +140,7 @@ def make_case(keys: np.ndarray, values: np.ndarray, q: np.ndarray, seq_lens: Seq
     return DemoCase(keys, values.astype(bf16), q.astype(bf16), lens.astype(np.int32),
                     tables, layout, planning.calibrate_k_scale(keys),
                     rng.integers(0, 256, layout.k_pool_bytes, dtype=np.uint8),
-                    rng.integers(0, 256, layout.v_pool_bytes, dtype=np.uint8))
+                    rng.integers(0, 256, layout.v_pool_bytes, dtype=np.uint8), q_len=q_len)
 
 
 def build_demo_case(args: argparse.Namespace) -> DemoCase:
@@ -153,10 +160,11 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
         given = {}
     q = given.get("q")
     if q is None:
-        q = rng.standard_normal((len(seq_lens), args.q_heads, keys.shape[2]), dtype=np.float32)
+        q = rng.standard_normal((len(seq_lens) * args.q_len, args.q_heads, keys.shape[2]),
+                                dtype=np.float32)
     if not 0 <= args.soft_cap < float("inf"):
         raise ValueError(f"--soft-cap {args.soft_cap} must be finite and >= 0")
-    case = make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng)
+    case = make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng, args.q_len)
     sinks = (2 * rng.standard_normal(case.q.shape[1])).astype(np.float32) if args.sinks else None
     return dataclasses.replace(case, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=sinks)
 
@@ -184,35 +192,42 @@ def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np
 
 def reference_decode(case: DemoCase, k_pool: np.ndarray, v_pool: np.ndarray,
                      sparse_v_threshold: float) -> np.ndarray:
-    """`reference.paged_decode` of the pools, float64 ``[num_seqs, num_q_heads, head_dim]``."""
+    """`reference.paged_decode` of the pools, float64 ``[num_seqs * q_len, num_q_heads,
+    head_dim]``."""
     from . import reference as ref
 
     scalars = case.decode_scalars(sparse_v_threshold)
     bits = scalars.pop("v_bits")
+    del scalars["max_q_len"]  # the reference reads the query rows from query_start itself
     return ref.paged_decode(case.q, k_pool, v_pool, case.block_tables, case.seq_lens,
-                            bits=bits, sliding_window=0, sinks=case.sinks, **scalars)
+                            bits=bits, sliding_window=0, sinks=case.sinks,
+                            query_start=case.shape("decode").query_start, **scalars)
 
 
 def exact_attention(case: DemoCase) -> np.ndarray:
-    """Attention over the unquantised bf16 K/V in float64, ``[num_seqs, num_q_heads, head_dim]``:
-    what the decode would give without the cache's quantisation (with the case's soft cap and
-    sinks)."""
+    """Attention over the unquantised bf16 K/V in float64, ``[num_seqs * q_len, num_q_heads,
+    head_dim]``: what the decode would give without the cache's quantisation (with the case's
+    soft cap and sinks; query token ``i`` of a sequence of ``L`` tokens attends its first
+    ``L - q_len + i + 1``)."""
     num_kv_heads, head_dim = case.keys.shape[1:]
     group = case.q.shape[1] // num_kv_heads
     out = np.zeros(case.q.shape, dtype=np.float64)
-    for s, (start, length) in enumerate(zip(case.starts, case.seq_lens)):
-        k, v = (x[start:start + length].astype(np.float64) for x in (case.keys, case.values))
-        q = case.q[s].astype(np.float64).reshape(num_kv_heads, group, head_dim)
+    sinks = (np.full((num_kv_heads, group, 1), -np.inf) if case.sinks is None
+             else case.sinks.astype(np.float64).reshape(num_kv_heads, group, 1))
+    for row in range(len(case.q)):
+        s, i = divmod(row, case.q_len)
+        start = int(case.starts[s])
+        end = start + int(case.seq_lens[s]) - case.q_len + i + 1
+        k, v = (x[start:end].astype(np.float64) for x in (case.keys, case.values))
+        q = case.q[row].astype(np.float64).reshape(num_kv_heads, group, head_dim)
         scores = np.einsum("hgd,lhd->hgl", q, k) * head_dim ** -0.5
         if case.soft_cap > 0:
             scores = case.soft_cap * np.tanh(scores / case.soft_cap)
-        sinks = (np.full((num_kv_heads, group, 1), -np.inf) if case.sinks is None
-                 else case.sinks.astype(np.float64).reshape(num_kv_heads, group, 1))
         top = np.maximum(scores.max(axis=-1, keepdims=True), sinks)
         weights = np.exp(scores - top)
         denominator = weights.sum(axis=-1, keepdims=True) + np.exp(sinks - top)
         heads = np.einsum("hgl,lhd->hgd", weights, v) / denominator
-        out[s] = heads.reshape(-1, head_dim)
+        out[row] = heads.reshape(-1, head_dim)
     return out
 
 
@@ -233,7 +248,7 @@ class GpuRun:
 
     k_pool: np.ndarray
     v_pool: np.ndarray
-    output: np.ndarray  # float64 [num_seqs, num_q_heads, head_dim]
+    output: np.ndarray  # float64 [num_seqs * q_len, num_q_heads, head_dim]
     write_us: float
     decode_us: float
 
@@ -255,6 +270,7 @@ def run_kernels(dev: Device, case: DemoCase, sparse_v_threshold: float,
         slot_mapping=dev.upload(case.slot_mapping))
     scalars = case.decode_scalars(sparse_v_threshold)
     workspace_bytes = paged_decode_workspace_bytes(**scalars)
+    scalars.update(bench.query_start_arguments(dev, case.shape("decode")))
     poison = np.full(case.q.shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN: unwritten shows
     decode = bench.DecodeBuffers(
         q=dev.upload(case.q.view(np.uint16)), k_cache=write.k_cache, v_cache=write.v_cache,
@@ -314,6 +330,7 @@ def describe_case(case: DemoCase, args: argparse.Namespace) -> str:
     bf16_bytes = len(case.keys) * planning.bytes_per_token(layout.num_kv_heads, layout.head_dim,
                                                            "bf16")
     return (f"demo: {len(case.seq_lens)} sequences of {', '.join(map(str, case.seq_lens))} tokens; "
+            f"{f'{case.q_len} query tokens per sequence, ' if case.q_len > 1 else ''}"
             f"{case.q.shape[1]} query heads, {layout.num_kv_heads} KV heads, head_dim "
             f"{layout.head_dim}, {layout.block_size}-token pages, fp8k_turbo{layout.v_bits}v; "
             f"{source}\n"
