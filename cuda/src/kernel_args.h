@@ -82,12 +82,21 @@ struct DecodeArgs {
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream);
 
-// The grid of the write and the dequantize: one thread per (token, 16-element group) in CTAs of
-// kWriteThreads (the validation keeps the CTA count below 2^31).
+// The grid of the write and the dequantize: threads_per_group threads (a divisor of kWriteThreads)
+// per (token, 16-element group) in CTAs of kWriteThreads. The validation keeps the CTA count
+// below 2^31.
+inline uint64_t per_token_group_ctas(uint64_t num_tokens, uint64_t row_elems, uint32_t threads_per_group) {
+  const uint64_t groups_per_cta = kWriteThreads / threads_per_group;
+  return (num_tokens * (row_elems / 16) + groups_per_cta - 1) / groups_per_cta;  // < 2^60 + 2^8
+}
+
+// The MSE V encoder searches a group's scales with a warp (format.cuh, encode_v_group_mse).
+constexpr uint32_t kMseThreadsPerGroup = 32;
+
 template <typename Args>
-cudaError_t launch_per_token_group(const void* kernel, const Args& args, cudaStream_t stream) {
-  const uint64_t threads = uint64_t(args.num_tokens) * (args.row_elems / 16);
-  const dim3 grid(unsigned((threads + kWriteThreads - 1) / kWriteThreads));
+cudaError_t launch_per_token_group(const void* kernel, const Args& args, cudaStream_t stream,
+                                   uint32_t threads_per_group = 1) {
+  const dim3 grid(unsigned(per_token_group_ctas(args.num_tokens, args.row_elems, threads_per_group)));
   Args kernel_args = args;
   void* params[] = {&kernel_args};
   return cudaLaunchKernel(kernel, grid, dim3(kWriteThreads), params, 0, stream);

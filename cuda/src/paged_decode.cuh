@@ -323,8 +323,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int first_column = int(chunk) * kHeadsPerCta;
   const int num_columns = min(kHeadsPerCta, q_len * int(group_size) - first_column);
   if (num_columns <= 0) return;  // a sequence with fewer query tokens than the grid is sized for
-  auto column_token = [&](int c) { return uint32_t(first_column + c) / group_size; };
-  auto column_head = [&](int c) { return kv_head * group_size + uint32_t(first_column + c) % group_size; };
+  // One query token: column c is query head first_column + c of the group, without a division
+  // (the prologue and epilogue compute these per element; they set a short decode's latency).
+  const bool multi_token = a.query_start != nullptr;
+  auto column_token = [&](int c) -> uint32_t { return multi_token ? uint32_t(first_column + c) / group_size : 0u; };
+  auto column_head = [&](int c) -> uint32_t {
+    return kv_head * group_size + (multi_token ? uint32_t(first_column + c) % group_size : uint32_t(first_column + c));
+  };
 
   // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
   // + 1 (causal inside the query chunk; seq_len for one token); a length beyond the block table
@@ -334,7 +339,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int given_seq_len = a.seq_lens[seq];
   const int seq_len = min(max(given_seq_len, 0), table_positions);
   if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
-  if (reports && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+  if (reports && multi_token && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
   auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
   auto window_start = [&](int end) {
     return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
@@ -832,16 +837,18 @@ template <int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];
   __shared__ float scratch[HEAD_DIM / 32];
-  const uint64_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head
-  const uint32_t head = uint32_t(row % a.num_q_heads);
-  const uint32_t token = uint32_t(row / a.num_q_heads % a.max_q_len);
+  const uint32_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head (< 2^31)
+  const uint32_t head = row % a.num_q_heads;
+  const uint32_t seq_token = row / a.num_q_heads;
+  const uint32_t token = a.max_q_len == 1 ? 0u : seq_token % a.max_q_len;
   uint32_t row0;
   int q_len;
-  if (!sequence_query_rows(a, uint32_t(row / a.num_q_heads / a.max_q_len), row0, q_len) || int(token) >= q_len)
+  if (!sequence_query_rows(a, a.max_q_len == 1 ? seq_token : seq_token / a.max_q_len, row0, q_len) ||
+      int(token) >= q_len)
     return;  // no partials: the decode kernel skipped the sequence, or it has fewer tokens
   const int tid = threadIdx.x;
   const int num_splits = int(plan.num_splits);
-  const float* parts = plan.workspace + row * num_splits * (HEAD_DIM + 2);
+  const float* parts = plan.workspace + uint64_t(row) * num_splits * (HEAD_DIM + 2);
   float m = -INFINITY;
   for (int s = tid; s < num_splits; s += HEAD_DIM) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
   m = block_reduce<HEAD_DIM>(m, [](float x, float y) { return fmaxf(x, y); }, scratch);

@@ -58,23 +58,27 @@ __device__ __forceinline__ void load_levels(float (&levels_s)[1 << BITS]) {
 }
 
 // This thread's (token, 16-element group) in the grid of launch_per_token_group.
+template <uint32_t THREADS_PER_GROUP = 1>
 __device__ __forceinline__ void token_group_of_thread(uint32_t row_elems, uint64_t& token, uint32_t& group) {
   const uint32_t groups_per_row = row_elems / kGroupElems;
-  const uint64_t index = uint64_t(blockIdx.x) * kWriteThreads + threadIdx.x;
+  const uint64_t index = (uint64_t(blockIdx.x) * kWriteThreads + threadIdx.x) / THREADS_PER_GROUP;
   token = index / groups_per_row;
   group = uint32_t(index % groups_per_row);
 }
 
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
 // a thread computes them sequentially, exactly as FORMAT §3.2 orders them. MSE: the V encoder
-// (WriteArgs::mse_encoder), a kernel of its own so that the default one stays as it is.
+// (WriteArgs::mse_encoder), a kernel of its own so that the default one stays as it is; a warp
+// per group searches its scales, and its lane 0 writes.
 template <int BITS, bool MSE>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
+  constexpr uint32_t kThreadsPerGroup = MSE ? kMseThreadsPerGroup : 1;
   __shared__ float levels_s[1 << BITS];
   load_levels<BITS>(levels_s);
   uint64_t token;
   uint32_t group;
-  token_group_of_thread(a.row_elems, token, group);
+  token_group_of_thread<kThreadsPerGroup>(a.row_elems, token, group);
+  const bool writes = threadIdx.x % kThreadsPerGroup == 0;
   if (token >= a.num_tokens) return;
   // The slot and both input groups are loaded before anything waits on them: for a few tokens
   // the write is one memory round trip plus the encoding.
@@ -86,7 +90,7 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   const uint64_t page = uint64_t(slot) / a.block_size;
   const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
   if (a.index_check.enabled() && page >= a.index_check.num_blocks) {  // checked mode: skip the token
-    if (group == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SLOT);
+    if (group == 0 && writes) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SLOT);
     return;
   }
 
@@ -96,10 +100,11 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   for (int i = 0; i < kGroupElems; ++i) k_bytes[i] = e4m3_encode(__fmul_rn(k[i], a.k_inv_scale));
   uint8_t* k_dst = a.k_cache + page * a.k_block_stride_bytes + uint64_t(offset) * a.row_elems +
                    group * kGroupElems;
-  *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
+  if (writes) *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section.
   const EncodedGroup<BITS> enc = MSE ? encode_v_group_mse<BITS>(x, levels_s) : encode_v_group<BITS>(x, levels_s);
+  if (!writes) return;
   uint8_t packed[2 * BITS];
   pack_group<BITS>(enc.codes, packed);
   const VPageLayout layout{uint64_t(a.row_elems) * BITS / 8, a.row_elems / kGroupElems,
@@ -113,7 +118,7 @@ template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream) {
   const void* kernel = args.mse_encoder ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, true>)
                                         : reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, false>);
-  return launch_per_token_group(kernel, args, stream);
+  return launch_per_token_group(kernel, args, stream, args.mse_encoder ? kMseThreadsPerGroup : 1);
 }
 
 }  // namespace fp8kturbov
