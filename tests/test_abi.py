@@ -879,13 +879,6 @@ def test_write_refuses_an_unknown_v_encoder(v_encoder):
                    [f"v_encoder = {v_encoder}"])
 
 
-def test_write_refuses_an_mse_launch_past_2_31_ctas():
-    """The MSE encoder runs a warp per 16-element group: 8 groups per 256-thread CTA."""
-    args = WRITE_ENTRY.valid_args(num_kv_heads=1) | {"num_tokens": 2**31}  # 8 groups a row: 2^31 CTAs
-    expect_failure(WRITE_ENTRY, args | {"v_encoder": 1}, Status.INVALID_VALUE, ["num_tokens = 2147483648", "MSE"])
-    expect_failure(WRITE_ENTRY, args | {"v_encoder": 0}, Status.NULL_POINTER, ["is NULL"])  # 2^26 CTAs: fine
-
-
 @pytest.mark.parametrize("soft_cap", [math.nan, math.inf, -1.0, -1e-30])
 def test_decode_refuses_a_soft_cap_not_finite_and_non_negative(soft_cap):
     entry = next(e for e in GENERIC_ENTRIES if e.op == "decode")

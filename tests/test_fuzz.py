@@ -213,8 +213,6 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
         k_stride = a["k_block_stride_bytes"]
         blocks = -(-a["num_tokens"] * (row // 16) // 256)  # one thread per 16-element group
         e.rule(blocks > I32_MAX, V, "num_tokens = ", decided=shape_ok)
-        mse_blocks = -(-a["num_tokens"] * (row // 16) // 8)  # the MSE encoder: a warp per group
-        e.rule(get("v_encoder") == 1 and mse_blocks > I32_MAX, V, "num_tokens = ", decided=shape_ok)
     else:
         nq, mb = a["num_q_heads"], a["max_blocks_per_seq"]
         hd_built = hd in DECODE_HEAD_DIMS

@@ -139,16 +139,17 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kG
 // sequential sums; the first byte with the least error wins. A group without a finite error (NaN,
 // ±inf, or so large that every error overflows) takes the matched-norm encoding.
 //
-// Only the bytes that can win are evaluated, by the 32 lanes of a warp at once; the result is the
-// exhaustive search's, bit for bit. Every reconstructed value has a magnitude between l_min·s and
-// k_max·s (the smallest and largest level magnitudes), so a candidate's error is at least
+// Only the bytes that can win are evaluated, by LANES threads (1, or the 32 of a warp) at once; the
+// result is the exhaustive search's, bit for bit. Every reconstructed value has a magnitude between
+// l_min·s and k_max·s (the smallest and largest level magnitudes), so a candidate's error is at least
 //   clip(s) = (amax − k_max·s)₊²           (the largest element, falling off the top level), and
 //   low(s)  = Σ_i (l_min·s − |x_i|)₊²      (every element, pushed out to the nearest level).
 // Both are computed with slack (factors 1 ± 1e-5, far beyond float32 rounding) so that they stay
 // below the error the search itself would compute; a byte whose bound exceeds 1.001 × the
 // matched-norm byte's error cannot win or tie, and is skipped. clip falls and low rises with the
-// byte, so the bytes left form one range, found by bisection: about 10 to 30 of the 127 bytes for
-// Gaussian data.
+// byte, so the bytes left form one range, found by bisection: about 10 to 40 of the 127 bytes for
+// Gaussian data. A single thread also tightens the bound with the best error it has found and
+// stops where low exceeds it.
 template <int BITS>
 __device__ __forceinline__ float mse_candidate_error(const float (&x)[kGroupElems], uint32_t byte,
                                                      const float* levels, uint64_t& codes) {
@@ -180,12 +181,13 @@ __device__ __forceinline__ uint32_t first_scale_byte(uint32_t begin, Predicate p
   return begin;
 }
 
-// Called by all 32 lanes of a warp with the same x; every lane gets the encoding.
-template <int BITS>
+// LANES = 32: called by all 32 lanes of a warp with the same x; every lane gets the encoding.
+template <int BITS, int LANES>
 __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x)[kGroupElems],
                                                                  const float* levels) {
   static_assert(BITS * kGroupElems <= 64, "a group's codes fit one 64-bit word");
-  const uint32_t lane = threadIdx.x % 32;
+  static_assert(LANES == 1 || LANES == 32, "a thread or a warp per group");
+  const uint32_t lane = LANES == 1 ? 0 : threadIdx.x % 32;
   const EncodedGroup<BITS> matched_norm = encode_v_group<BITS>(x, levels);
   float amax = 0.0f;
   bool finite = true;
@@ -199,7 +201,7 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x
   const float l_min = levels[1 << (BITS - 1)];  // the levels are symmetric about zero
   const float k_max = levels[(1 << BITS) - 1];
   uint64_t codes;
-  const float limit = __fmul_rn(1.001f, mse_candidate_error<BITS>(x, matched_norm.scale_byte, levels, codes));
+  float limit = __fmul_rn(1.001f, mse_candidate_error<BITS>(x, matched_norm.scale_byte, levels, codes));
   auto clip_passes = [&](uint32_t byte) {  // +inf limit (no finite error known): every byte passes
     const float clip = fmaxf(__fsub_rn(amax, __fmul_rn(__fmul_rn(k_max, e4m3_decode(uint8_t(byte))), 1.00001f)), 0.0f);
     return __fmul_rn(clip, clip) <= limit;
@@ -217,39 +219,42 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x
   const uint32_t first = first_scale_byte(0, clip_passes);
   const uint32_t end = first_scale_byte(first, low_fails);
 
-  // Each lane searches bytes first + lane, first + lane + 32, ... (ties keep its smaller byte);
+  // Each lane searches bytes first + lane, first + lane + LANES, ... (ties keep its smaller byte);
   // then the warp keeps the least error, and of equal ones the smallest byte.
   float best_err = INFINITY;
   uint32_t best_byte = 0x7F;
   uint64_t best_codes = 0;
-  for (uint32_t byte = first + lane; byte < end; byte += 32) {
+  for (uint32_t byte = first + lane; byte < end; byte += LANES) {
+    if (LANES == 1 && low_fails(byte)) break;  // with the tightened bound: no later byte can win
     const float err = mse_candidate_error<BITS>(x, byte, levels, codes);
     if (err < best_err) {
       best_err = err;
       best_byte = byte;
       best_codes = codes;
+      if (LANES == 1) limit = fminf(limit, __fmul_rn(1.001f, err));
     }
   }
-  float warp_err = best_err;
-  uint32_t warp_byte = best_byte;
+  if constexpr (LANES > 1) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float other_err = __shfl_xor_sync(0xffffffffu, warp_err, o);
-    const uint32_t other_byte = __shfl_xor_sync(0xffffffffu, warp_byte, o);
-    if (other_err < warp_err || (other_err == warp_err && other_byte < warp_byte)) {
-      warp_err = other_err;
-      warp_byte = other_byte;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float other_err = __shfl_xor_sync(0xffffffffu, best_err, o);
+      const uint32_t other_byte = __shfl_xor_sync(0xffffffffu, best_byte, o);
+      if (other_err < best_err || (other_err == best_err && other_byte < best_byte)) {
+        best_err = other_err;
+        best_byte = other_byte;
+      }
     }
+    // The winning byte's codes, from the lane that evaluated it.
+    const int owner = int((best_byte - first) % LANES);
+    const uint32_t codes_lo = __shfl_sync(0xffffffffu, uint32_t(best_codes), owner);
+    const uint32_t codes_hi = __shfl_sync(0xffffffffu, uint32_t(best_codes >> 32), owner);
+    best_codes = uint64_t(codes_lo) | (uint64_t(codes_hi) << 32);
   }
-  if (!(warp_err <= FLT_MAX)) return matched_norm;
-  const int owner = int((warp_byte - first) % 32);  // the lane that evaluated the winning byte
-  const uint32_t codes_lo = __shfl_sync(0xffffffffu, uint32_t(best_codes), owner);
-  const uint32_t codes_hi = __shfl_sync(0xffffffffu, uint32_t(best_codes >> 32), owner);
-  best_codes = uint64_t(codes_lo) | (uint64_t(codes_hi) << 32);
+  if (!(best_err <= FLT_MAX)) return matched_norm;
   EncodedGroup<BITS> out;
 #pragma unroll
   for (int i = 0; i < kGroupElems; ++i) out.codes[i] = uint8_t((best_codes >> (BITS * i)) & ((1u << BITS) - 1));
-  out.scale_byte = uint8_t(warp_byte);
+  out.scale_byte = uint8_t(best_byte);
   return out;
 }
 

@@ -90,8 +90,15 @@ inline uint64_t per_token_group_ctas(uint64_t num_tokens, uint64_t row_elems, ui
   return (num_tokens * (row_elems / 16) + groups_per_cta - 1) / groups_per_cta;  // < 2^60 + 2^8
 }
 
-// The MSE V encoder searches a group's scales with a warp (format.cuh, encode_v_group_mse).
-constexpr uint32_t kMseThreadsPerGroup = 32;
+// The MSE V encoder (format.cuh, encode_v_group_mse) searches a group's scales with a warp where
+// the write is small enough that the warps fit the GPU about twice over (an H200 holds 132 x 64):
+// its latency is then a few microseconds. Larger writes take a thread per group, which does about
+// a third of the work per group (it tightens its bound as it goes) but runs each group serially.
+constexpr uint32_t kMseWarpLanes = 32;
+constexpr uint64_t kMseWarpMaxGroups = 16384;
+inline uint32_t mse_lanes_per_group(uint64_t num_tokens, uint64_t row_elems) {
+  return num_tokens * (row_elems / 16) <= kMseWarpMaxGroups ? kMseWarpLanes : 1;
+}
 
 template <typename Args>
 cudaError_t launch_per_token_group(const void* kernel, const Args& args, cudaStream_t stream,

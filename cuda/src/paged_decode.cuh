@@ -375,32 +375,41 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
   // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
   // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
-  auto q_element = [&](int c, int d) {
-    return a.q[uint64_t(row0 + column_token(c)) * a.q_stride + uint64_t(column_head(c)) * HEAD_DIM + d];
-  };
-  float q_absmax = 0.0f;
-  for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
-    const uint16_t bits = q_element(i / HEAD_DIM, i % HEAD_DIM);
-    const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(bits)));
-    if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
-  }
+  // q_at(i): element i = c·HEAD_DIM + d of the chunk, column c, dimension d. Returns the gain.
+  auto load_query = [&](auto q_at) {
+    float q_absmax = 0.0f;
+    for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
+      const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(q_at(i))));
+      if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
+    }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
-  if (lane == 0) q_absmax_s[warp] = q_absmax;
-  for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
-    level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
-  __syncthreads();
-  q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
-  int q_exp = 0;
-  if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
-  q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
-  const float q_gain = ldexpf(1.0f, 15 - q_exp);
-  for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
-    const int h = i / HEAD_DIM;
-    float v = 0.0f;
-    if (h < num_columns) v = __bfloat162float(__ushort_as_bfloat16(q_element(h, i % HEAD_DIM)));
-    q_s[h][i % HEAD_DIM] = __float2half_rn(v * q_gain);
-  }
+    for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
+    if (lane == 0) q_absmax_s[warp] = q_absmax;
+    for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
+      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
+    __syncthreads();
+    q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
+    int q_exp = 0;
+    if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
+    q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
+    const float gain = ldexpf(1.0f, 15 - q_exp);
+    for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
+      const int h = i / HEAD_DIM;
+      const float v = h < num_columns ? __bfloat162float(__ushort_as_bfloat16(q_at(i))) : 0.0f;
+      q_s[h][i % HEAD_DIM] = __float2half_rn(v * gain);
+    }
+    return gain;
+  };
+  // One query token: the chunk's heads are consecutive in its q row, so the loads are one strided
+  // stream that the compiler batches (in flight together); several tokens: per column.
+  const float q_gain =
+      multi_token ? load_query([&](int i) {
+        const int c = i / HEAD_DIM;
+        return a.q[uint64_t(row0 + column_token(c)) * a.q_stride + uint64_t(column_head(c)) * HEAD_DIM + i % HEAD_DIM];
+      })
+                  : load_query([&, q_row = a.q + uint64_t(row0) * a.q_stride + uint64_t(column_head(0)) * HEAD_DIM](int i) {
+        return q_row[i];
+      });
   // Only a CTA that finds a page out of range masks tiles in its loop; the others run the loop of
   // the unchecked kernel.
   bool pages_masked = false;

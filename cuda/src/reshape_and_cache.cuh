@@ -68,11 +68,11 @@ __device__ __forceinline__ void token_group_of_thread(uint32_t row_elems, uint64
 
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
 // a thread computes them sequentially, exactly as FORMAT §3.2 orders them. MSE: the V encoder
-// (WriteArgs::mse_encoder), a kernel of its own so that the default one stays as it is; a warp
-// per group searches its scales, and its lane 0 writes.
-template <int BITS, bool MSE>
+// (WriteArgs::mse_encoder), kernels of their own so that the default one stays as it is, with
+// MSE_LANES (1 or 32) threads per group searching its scales; the first of them writes.
+template <int BITS, int MSE_LANES>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
-  constexpr uint32_t kThreadsPerGroup = MSE ? kMseThreadsPerGroup : 1;
+  constexpr uint32_t kThreadsPerGroup = MSE_LANES > 0 ? MSE_LANES : 1;
   __shared__ float levels_s[1 << BITS];
   load_levels<BITS>(levels_s);
   uint64_t token;
@@ -103,7 +103,11 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   if (writes) *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section.
-  const EncodedGroup<BITS> enc = MSE ? encode_v_group_mse<BITS>(x, levels_s) : encode_v_group<BITS>(x, levels_s);
+  EncodedGroup<BITS> enc;
+  if constexpr (MSE_LANES > 0)
+    enc = encode_v_group_mse<BITS, MSE_LANES>(x, levels_s);
+  else
+    enc = encode_v_group<BITS>(x, levels_s);
   if (!writes) return;
   uint8_t packed[2 * BITS];
   pack_group<BITS>(enc.codes, packed);
@@ -116,9 +120,13 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
 
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream) {
-  const void* kernel = args.mse_encoder ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, true>)
-                                        : reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, false>);
-  return launch_per_token_group(kernel, args, stream, args.mse_encoder ? kMseThreadsPerGroup : 1);
+  if (!args.mse_encoder)
+    return launch_per_token_group(reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, 0>), args, stream);
+  const uint32_t lanes = mse_lanes_per_group(args.num_tokens, args.row_elems);
+  const void* kernel = lanes == kMseWarpLanes
+                           ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, kMseWarpLanes>)
+                           : reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, 1>);
+  return launch_per_token_group(kernel, args, stream, lanes);
 }
 
 }  // namespace fp8kturbov
