@@ -3,9 +3,10 @@
 // Work split. A CTA handles one (sequence, KV head, chunk of up to 8 query columns, context
 // split), a column being one query head of the KV head's GQA group for one query token of the
 // sequence (one token, or up to 16 in multi-token decode; token-major, so that the tokens of a
-// short group share a CTA and its reads). The context split (flash-decoding) lets a few long sequences fill the GPU: each
-// split writes an unnormalised partial (O, running max, denominator) to the caller's workspace and
-// a merge kernel combines them in a fixed order, so results are deterministic for a plan.
+// small group share a CTA and its reads). The context split (flash-decoding) lets a few long
+// sequences fill the GPU: each split writes an unnormalised partial (O, running max, denominator)
+// to the caller's workspace and a merge kernel combines them in a fixed order, so results are
+// deterministic for a plan.
 //
 // Inside a CTA, 4 warps each own a d-slice of kSliceDim (<= 128) elements and a stream of 16-token
 // tiles; with head_dim > 128 several warps share one stream and sum their partial scores.
@@ -430,9 +431,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     const float score_per_cap = a.soft_cap > 0.0f ? a.score_scale / q_gain / a.soft_cap : 0.0f;
     const float cap_log2 = a.soft_cap * kLog2e;
 
-    // The tile loop and the epilogue, in three instances: with tiles masked where checked mode found
-    // a page out of range (and per column), with positions masked per column (multi-token CTAs),
-    // and without either, which every other CTA runs (all of them for one-token decode unchecked).
+    // The tile loop and the epilogue, in instances: with tiles masked where checked mode found a
+    // page out of range (and, for several tokens, per column), with positions masked per column
+    // (CTAs holding columns of several tokens), and without either, which every other CTA runs (all
+    // of them in an unchecked one-token decode).
     auto decode_tiles = [&](auto mask_pages, auto mask_columns) {
       constexpr bool kMaskPages = decltype(mask_pages)::value;
       constexpr bool kMaskColumns = decltype(mask_columns)::value;
