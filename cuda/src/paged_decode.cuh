@@ -863,13 +863,15 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   __shared__ float scratch[HEAD_DIM / 32];
   const uint32_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head (< 2^31)
   const uint32_t head = row % a.num_q_heads;
-  const uint32_t seq_token = row / a.num_q_heads;
-  const uint32_t token = a.max_q_len == 1 ? 0u : seq_token % a.max_q_len;
-  uint32_t row0;
-  int q_len;
-  if (!sequence_query_rows(a, a.max_q_len == 1 ? seq_token : seq_token / a.max_q_len, row0, q_len) ||
-      int(token) >= q_len)
-    return;  // no partials: the decode kernel skipped the sequence, or it has fewer tokens
+  uint32_t out_row = row / a.num_q_heads;  // one token per sequence: the sequence
+  if (a.query_start != nullptr) {
+    const uint32_t token = out_row % a.max_q_len;
+    uint32_t row0;
+    int q_len;
+    if (!sequence_query_rows(a, out_row / a.max_q_len, row0, q_len) || int(token) >= q_len)
+      return;  // no partials: the decode kernel skipped the sequence, or it has fewer tokens
+    out_row = row0 + token;
+  }
   const int tid = threadIdx.x;
   const int num_splits = int(plan.num_splits);
   const float* parts = plan.workspace + uint64_t(row) * num_splits * (HEAD_DIM + 2);
@@ -888,7 +890,7 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
 #pragma unroll 8
   for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
   const float out = normalize(o, l, m, sink_log2(a, head));
-  a.output[(uint64_t(row0 + token) * a.num_q_heads + head) * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
+  a.output[(uint64_t(out_row) * a.num_q_heads + head) * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
 }
 
 template <int BITS, int HEAD_DIM>
