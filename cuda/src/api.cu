@@ -145,10 +145,10 @@ static_assert(offsetof(fp8kturbov_decode_params_t, num_blocks) == FP8KTURBOV_DEC
 static_assert(offsetof(fp8kturbov_decode_params_t, sinks) == FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
               "the version-2 decode struct ends where sinks begins");
 
-// Checked mode (num_blocks > 0) needs the device word it reports to; called where the entry's
-// other pointers are checked.
+// The kernels' IndexCheck from the checked-mode fields. Checked mode (num_blocks > 0) needs the
+// device word it reports to; called where the entry's other pointers are checked.
 template <typename Params>
-fp8kturbov_status_t check_index_check(const char* entry, const Params& p, IndexCheck* check) {
+fp8kturbov_status_t resolve_index_check(const char* entry, const Params& p, IndexCheck* check) {
   *check = IndexCheck{p.num_blocks, p.num_blocks != 0 ? p.error_flags : nullptr};
   if (p.num_blocks == 0) return FP8KTURBOV_STATUS_SUCCESS;
   if (p.error_flags == nullptr)
@@ -234,7 +234,7 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
   FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
   IndexCheck index_check{};
-  FP8KTURBOV_CHECK(check_index_check(entry, p, &index_check));
+  FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
   const WriteArgs args{static_cast<const uint16_t*>(p.key),
                        static_cast<const uint16_t*>(p.value),
@@ -274,7 +274,7 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
   FP8KTURBOV_REQUIRE_POINTER(value);
   FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
   IndexCheck index_check{};
-  FP8KTURBOV_CHECK(check_index_check(entry, p, &index_check));
+  FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
   const DequantizeArgs args{static_cast<const uint8_t*>(p.k_cache),
                             static_cast<const uint8_t*>(p.v_cache),
@@ -508,7 +508,7 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                   p.workspace);
   }
   IndexCheck index_check{};
-  FP8KTURBOV_CHECK(check_index_check(entry, p, &index_check));
+  FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
   if (reinterpret_cast<uintptr_t>(p.sinks) % alignof(float) != 0)
     return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "sinks = %p is not 4-byte aligned",
                 static_cast<const void*>(p.sinks));

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kWriteThreads) dequantize_kernel(const Dequant
   const int64_t slot = __ldg(a.slot_mapping + token);
   float k[kGroupElems], v[kGroupElems];
   const uint64_t page = uint64_t(slot) / a.block_size;
-  const bool page_out_of_range = a.index_check.enabled() && slot >= 0 && page >= a.index_check.num_blocks;
+  const bool page_out_of_range = slot >= 0 && a.index_check.slot_page_out_of_range(page);
   if (page_out_of_range && group == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SLOT);
   if (slot < 0 || page_out_of_range) {  // padding, or a page checked mode skips: a row of zeros
 #pragma unroll

@@ -20,6 +20,8 @@ struct IndexCheck {
   __device__ bool enabled() const { return num_blocks != 0; }
   // A page id read from a block table (checked mode): int32, so a negative one is out of range.
   __device__ bool page_out_of_range(int32_t page) const { return page < 0 || uint64_t(page) >= num_blocks; }
+  // A slot's page (slot / block_size, slot >= 0) that checked mode finds outside the pools.
+  __device__ bool slot_page_out_of_range(uint64_t page) const { return enabled() && page >= num_blocks; }
   __device__ void report(fp8kturbov_index_error_t error) const { atomicOr(error_flags, uint32_t(error)); }
 };
 

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   if (slot < 0) return;  // padding: writes nothing (FORMAT §4)
   const uint64_t page = uint64_t(slot) / a.block_size;
   const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
-  if (a.index_check.enabled() && page >= a.index_check.num_blocks) {  // checked mode: skip the token
+  if (a.index_check.slot_page_out_of_range(page)) {  // checked mode: skip the token
     if (group == 0 && writes) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SLOT);
     return;
   }
