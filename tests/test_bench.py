@@ -485,6 +485,9 @@ def test_cli_options_become_a_config():
     (["bench", "--q-len", "0"], "argument --q-len: '0' is not a positive integer"),
     (["bench", "--q-len", "17"], "argument --q-len: '17' is more than 16 query tokens per sequence"),
     ([], "required: COMMAND"),
+    (["compare", "a.json"], "required: CANDIDATE.json"),
+    (["compare", "a.json", "b.json", "--max-slowdown", "-1"],
+     "argument --max-slowdown: '-1' is not a percentage >= 0"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,6 +1,7 @@
 """Command line: ``python -m fp8kturbov COMMAND [options]``.
 
 Commands: ``bench`` (decode and write against the memory roofline; see `fp8kturbov.bench`),
+``compare`` (two ``bench --json`` files row by row; see `fp8kturbov.compare`),
 ``info`` (library, architectures, driver and GPUs; see `fp8kturbov.info`), ``demo`` (write and
 decode a ragged batch, checked against the NumPy reference; see `fp8kturbov.demo`), ``quality``
 (V quantisation error of each width/encoder/rotation and of FP8/NVFP4 peers on synthetic data, NumPy
@@ -17,7 +18,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import Fp8kturbovError, bench, demo, info, library_path, quality
+from . import Fp8kturbovError, bench, compare, demo, info, library_path, quality
 from ._device import first_line
 
 PROG = "python -m fp8kturbov"
@@ -148,6 +149,34 @@ def run_bench(args: argparse.Namespace) -> int:
     if why_not:
         print(f"{PROG} bench: plot skipped: {why_not}", file=sys.stderr)
     return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """``compare``: print `fp8kturbov.compare.format_comparison` of the two files; with
+    ``--max-slowdown``, the verdict too, and exit status 1 where a decode or write row is slower
+    than the baseline by more than that."""
+    try:
+        comparison = compare.compare_files(args.baseline, args.candidate)
+    except (ValueError, OSError) as exc:
+        _error(first_line(exc), "compare")
+        return 2
+    print(compare.format_comparison(comparison))
+    if args.max_slowdown is None:
+        return 0
+    slower = compare.slower_than(comparison.rows, args.max_slowdown)
+    print(compare.verdict_line(slower, args.max_slowdown))
+    return 1 if slower else 0
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``compare``."""
+    parser.add_argument("baseline", metavar="BASELINE.json",
+                        help="the reference run's 'bench --json' file (e.g. a build of main)")
+    parser.add_argument("candidate", metavar="CANDIDATE.json",
+                        help="the run compared with it (e.g. a build of a branch, same GPU)")
+    parser.add_argument("--max-slowdown", type=_typed(compare.parse_percent), metavar="PCT",
+                        help="exit with status 1 where a decode or write row is more than PCT %% "
+                        "slower than in the baseline (default: no limit, status 0)")
 
 
 def print_paths(args: argparse.Namespace) -> int:
@@ -298,6 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
         "with a BF16 (torch SDPA) and an FP8 (flashinfer) decode peer where importable.")
     add_bench_arguments(bench_parser)
     bench_parser.set_defaults(handler=run_bench)
+    compare_parser = commands.add_parser(
+        "compare", help="compare two 'bench --json' files row by row",
+        description="Match the rows of two files written by 'bench --json' (e.g. a build of main "
+        "and of a branch, run on the same GPU) by op, V bits, shape, head dim and query tokens; "
+        "print each decode and write row's median time in both and its change, the rows of one "
+        "file only, the ceiling copy and launch floor apart (the machine's, never slowdowns), "
+        "the worst slowdown and the geometric-mean ratio. Warns where the GPUs or the run "
+        "options differ. Exit status 1 where a row is slower than --max-slowdown allows, 2 "
+        "where a file is not a bench JSON, else 0.")
+    add_compare_arguments(compare_parser)
+    compare_parser.set_defaults(handler=run_compare)
     info_parser = commands.add_parser(
         "info", help="library, CUDA architectures, driver and GPUs",
         description="Print the library's version, ABI, path and header, the CUDA architectures "

@@ -80,6 +80,8 @@ GATE_CHUNK = 32
 #: Share of the free device memory a case (or a peer) may take; the rest is slack for the
 #: allocator's rounding and whatever torch keeps cached.
 MEMORY_HEADROOM = 0.9
+#: The ``"schema"`` of the JSON that `write_json` writes.
+BENCH_SCHEMA = "fp8kturbov-bench/1"
 
 
 class PeerUnavailable(Exception):
@@ -893,7 +895,8 @@ def describe_device(dev: Device) -> dict[str, Any]:
     }
 
 
-def _number(value: float | None, digits: int = 1) -> str:
+def format_number(value: float | None, digits: int = 1) -> str:
+    """``value`` with ``digits`` decimals; ``"-"`` for None (not measured)."""
     return "-" if value is None else f"{value:.{digits}f}"
 
 
@@ -901,7 +904,7 @@ def _peer_cell(peer: dict[str, Any] | None) -> str:
     if peer is None:
         return "-"
     if peer["status"] == "ok":
-        return _number(peer["median_us"], 2)
+        return format_number(peer["median_us"], 2)
     return peer["status"].split(":", 1)[0]  # the reason is listed under the table
 
 
@@ -912,8 +915,8 @@ TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us",
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     """The cells of the case rows (decode and write), in `TABLE_COLUMNS` order."""
     return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
-             _number(row["median_us"], 2), _number(row["gbps"], 0),
-             _number(row["pct_of_ceiling"]), _number(row["floor_us"], 2),
+             format_number(row["median_us"], 2), format_number(row["gbps"], 0),
+             format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
              _peer_cell(row["peers"].get("bf16_sdpa")), _peer_cell(row["peers"].get("fp8_flashinfer")),
              row["note"].split(":", 1)[0])
             for row in rows if row["op"] in OPS]
@@ -946,11 +949,12 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
     lines = [format_table(table_rows(rows), TABLE_COLUMNS), "", *_reasons(rows)]
     if "copy" in by_op:
         copy = by_op["copy"]
-        lines.append(f"copy bandwidth (read+write): {_number(copy['gbps'], 0)} GB/s ({copy['shape']}, "
-                     f"median of {copy['samples']}): the ceiling of '% ceil' and 'floor us'")
+        lines.append(f"copy bandwidth (read+write): {format_number(copy['gbps'], 0)} GB/s "
+                     f"({copy['shape']}, median of {copy['samples']}): the ceiling of '% ceil' and "
+                     "'floor us'")
     if "launch" in by_op:
         launch = by_op["launch"]
-        lines.append(f"launch floor: {_number(launch['median_us'], 2)} us ({launch['shape']})")
+        lines.append(f"launch floor: {format_number(launch['median_us'], 2)} us ({launch['shape']})")
     lines.append(f"q_heads {config.num_q_heads}, kv_heads {config.num_kv_heads}, block_size "
                  f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
                  f"{'checked mode' if config.checked else 'unchecked'}{_options_text(config)}; "
@@ -958,10 +962,15 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
                  "L2: all sets fit in L2 together")
     if not device.get("timing_gate", True):
         lines.append("timing gate unsupported by this driver: short launches include host time")
-    lines.append(f"commit {device.get('commit') or 'unknown'} | {device.get('name')} | driver "
-                 f"{device.get('driver') or 'unknown'} (CUDA {device.get('cuda_driver_api')}) | "
-                 f"{device.get('date')}")
+    lines.append(context_line(device))
     return "\n".join(lines)
+
+
+def context_line(device: dict[str, Any]) -> str:
+    """The run's context (`describe_device`) in one line: commit, GPU, driver and date."""
+    return (f"commit {device.get('commit') or 'unknown'} | {device.get('name')} | driver "
+            f"{device.get('driver') or 'unknown'} (CUDA {device.get('cuda_driver_api')}) | "
+            f"{device.get('date')}")
 
 
 def _options_text(config: Config) -> str:
@@ -1020,7 +1029,7 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
 
     The first row is the ceiling copy (``op == "copy"``), the second the launch floor.
     """
-    document = {"schema": "fp8kturbov-bench/1", "device": device,
+    document = {"schema": BENCH_SCHEMA, "device": device,
                 "config": dataclasses.asdict(config), "rows": list(rows)}
     Path(path).write_text(json.dumps(document, indent=1) + "\n")
 

@@ -1,0 +1,244 @@
+"""Two benchmark runs side by side: ``python -m fp8kturbov compare BASELINE.json CANDIDATE.json``.
+
+Both files are written by ``python -m fp8kturbov bench --json`` (schema: `bench.write_json`),
+typically by two builds on the same GPU. `compare_files` matches their rows by what they measure
+(`ROW_IDENTITY`: the op, every `bench.Shape` field and the shape text) and gives each match the
+change of its median time per launch, ``100 * (candidate / baseline - 1)`` %, positive when the
+candidate is slower. The ceiling copy and the launch floor measure the machine, not the change:
+they are shown apart and never count as slowdowns. Rows of one file only, and rows a run skipped,
+are listed rather than dropped. Options that change a measurement without being in its row
+(checked mode, V encoder, soft cap, sinks, sparse-V threshold, iterations ...) are run-wide: they
+are compared as the files' configs, a difference being a warning, as is a different GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from . import bench
+
+#: The row fields that say what a row measures. The shape text tells apart the ceiling copies
+#: of different sizes; for decode and write rows it follows from the `bench.Shape` fields.
+ROW_IDENTITY = ("op", "shape", *(f.name for f in dataclasses.fields(bench.Shape) if f.name != "op"))
+#: Config fields that only choose which cases run: not warned about, as a case of one file only
+#: is listed as such.
+CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims")
+#: Device fields that must agree for the times to be comparable: the GPU, and the timing gate
+#: (without it short launches include host time).
+DEVICE_FIELDS = ("name", "timing_gate")
+TABLE_COLUMNS = ("op", "bits", "shape", "D", "baseline us", "candidate us", "change %")
+
+
+def parse_percent(text: str) -> float:
+    """A finite percentage >= 0: ``"2"``, ``"0.5"``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{text!r} is not a percentage >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class RowComparison:
+    """One measurement, matched across the two files.
+
+    Times are the bench's ``median_us``, µs per launch; None where the file lacks the row
+    (``only_in`` names the file that has it) or skipped it (``note`` says why).
+    """
+
+    op: str
+    bits: int | None
+    shape: str  # the bench's shape text, with " q<N>" for N > 1 query tokens per sequence
+    head_dim: int | None
+    baseline_us: float | None
+    candidate_us: float | None
+    only_in: str = ""  # "baseline" or "candidate" for a row of one file only
+    note: str = ""
+
+    @property
+    def is_case(self) -> bool:
+        """A decode or write row; not the ceiling copy or the launch floor (the machine's)."""
+        return self.op in bench.OPS
+
+    @property
+    def ratio(self) -> float | None:
+        """Candidate time / baseline time; None unless both files measured the row."""
+        if self.baseline_us is None or self.candidate_us is None:
+            return None
+        return self.candidate_us / self.baseline_us
+
+    @property
+    def change_pct(self) -> float | None:
+        """The candidate's change of time, % of the baseline's: positive when slower."""
+        ratio = self.ratio
+        return None if ratio is None else 100.0 * (ratio - 1.0)
+
+    def describe(self) -> str:
+        """As `bench.Shape.describe` for decode and write: ``"decode 3b D128 8x8192"``."""
+        if not self.is_case:
+            return f"{self.op} {self.shape}"
+        return f"{self.op} {self.bits}b D{self.head_dim} {self.shape}"
+
+
+@dataclass(frozen=True)
+class BenchComparison:
+    """Two runs compared: each file's context line, the warnings, one record per measurement
+    (the baseline's rows in order, then those of the candidate only)."""
+
+    baseline: str
+    candidate: str
+    warnings: list[str]
+    rows: list[RowComparison]
+
+
+def load_bench_json(path: str | Path) -> dict[str, Any]:
+    """The document that ``bench --json`` wrote to ``path``. Raises ValueError where it is not
+    one (OSError where it cannot be read)."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if schema != bench.BENCH_SCHEMA:
+        raise ValueError(f"{path}: schema {schema!r} is not {bench.BENCH_SCHEMA!r} (the files of "
+                         "'python -m fp8kturbov bench --json PATH')")
+    if not isinstance(document.get("rows"), list):
+        raise ValueError(f"{path}: 'rows' is not a list")
+    return document
+
+
+def row_identity(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What ``row`` measures (`ROW_IDENTITY`): rows of two runs with equal identities match."""
+    return tuple(row[name] for name in ROW_IDENTITY)
+
+
+def _median_us(row: dict[str, Any] | None) -> float | None:
+    return None if row is None else row["median_us"]
+
+
+def _record(baseline: dict[str, Any] | None, candidate: dict[str, Any] | None) -> RowComparison:
+    """The record of a matched pair of rows, or of one row (the other None)."""
+    row = baseline if baseline is not None else candidate
+    q_len = row["q_len"] or 1
+    sides = (("baseline", baseline), ("candidate", candidate))
+    skipped = [f"not measured in {name} ({side['note']})" for name, side in sides
+               if side is not None and side["median_us"] is None]
+    return RowComparison(
+        op=row["op"], bits=row["bits"], shape=row["shape"] + (f" q{q_len}" if q_len > 1 else ""),
+        head_dim=row["head_dim"], baseline_us=_median_us(baseline),
+        candidate_us=_median_us(candidate),
+        only_in="candidate" if baseline is None else "baseline" if candidate is None else "",
+        note="; ".join(skipped))
+
+
+def compare_rows(baseline_rows: Iterable[dict[str, Any]],
+                 candidate_rows: Iterable[dict[str, Any]]) -> list[RowComparison]:
+    """One record per measurement of either run, rows matched by `row_identity` (the n-th row of
+    a repeated identity with the other run's n-th): in the baseline's order, then the rows of the
+    candidate only."""
+    groups: dict[tuple[Any, ...], tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+    for side, rows in enumerate((baseline_rows, candidate_rows)):
+        for row in rows:
+            groups.setdefault(row_identity(row), ([], []))[side].append(row)
+    return [_record(baseline, candidate) for pair in groups.values()
+            for baseline, candidate in zip_longest(*pair)]
+
+
+def _differences(baseline: dict[str, Any], candidate: dict[str, Any], names: Iterable[str]) -> str:
+    return ", ".join(f"{name} {baseline.get(name)} vs {candidate.get(name)}" for name in names
+                     if baseline.get(name) != candidate.get(name))
+
+
+def context_warnings(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+    """One warning line where the documents' devices (`DEVICE_FIELDS`) differ, one where their
+    configs do (every `bench.Config` field but `CASE_SELECTION`): the times may differ for that."""
+    devices = _differences(baseline["device"], candidate["device"], DEVICE_FIELDS)
+    options = _differences(baseline["config"], candidate["config"],
+                           [f.name for f in dataclasses.fields(bench.Config)
+                            if f.name not in CASE_SELECTION])
+    warnings = []
+    if devices:
+        warnings.append(f"warning: the devices differ ({devices}): the times may not be comparable")
+    if options:
+        warnings.append(f"warning: the configs differ ({options})")
+    return warnings
+
+
+def compare_files(baseline_path: str | Path, candidate_path: str | Path) -> BenchComparison:
+    """Load two ``bench --json`` files (`load_bench_json`) and compare them row by row."""
+    baseline, candidate = load_bench_json(baseline_path), load_bench_json(candidate_path)
+    return BenchComparison(
+        baseline=f"{baseline_path}: {bench.context_line(baseline['device'])}",
+        candidate=f"{candidate_path}: {bench.context_line(candidate['device'])}",
+        warnings=context_warnings(baseline, candidate),
+        rows=compare_rows(baseline["rows"], candidate["rows"]))
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}"
+
+
+def table_rows(records: Iterable[RowComparison]) -> list[tuple[str, ...]]:
+    """The cells of the decode and write rows found in both files, in `TABLE_COLUMNS` order."""
+    return [(r.op, str(r.bits), r.shape, str(r.head_dim), bench.format_number(r.baseline_us, 2),
+             bench.format_number(r.candidate_us, 2), _signed(r.change_pct))
+            for r in records if r.is_case and not r.only_in]
+
+
+def summary_line(records: Iterable[RowComparison]) -> str:
+    """The worst (largest) change, %, and the geometric mean of candidate / baseline over the
+    decode and write rows measured in both files."""
+    measured = [r for r in records if r.is_case and r.ratio is not None]
+    if not measured:
+        return "no decode or write row was measured in both files"
+    worst = max(measured, key=lambda r: r.ratio)
+    mean = statistics.geometric_mean(r.ratio for r in measured)
+    return (f"worst slowdown: {_signed(worst.change_pct)} % ({worst.describe()}); geometric-mean "
+            f"ratio candidate/baseline over {len(measured)} decode/write rows: {mean:.4f} "
+            f"({_signed(100.0 * (mean - 1.0))} %)")
+
+
+def _times_text(record: RowComparison) -> str:
+    return (f"{bench.format_number(record.baseline_us, 2)} -> "
+            f"{bench.format_number(record.candidate_us, 2)} us ({_signed(record.change_pct)} %)")
+
+
+def format_comparison(comparison: BenchComparison) -> str:
+    """The files, the warnings, the table of the decode and write rows of both files, the rows
+    without a change (of one file only, or skipped), the ceiling and floor, and `summary_line`."""
+    records = comparison.rows
+    lines = [f"baseline:  {comparison.baseline}", f"candidate: {comparison.candidate}",
+             *comparison.warnings, "", bench.format_table(table_rows(records), TABLE_COLUMNS), ""]
+    lines += [f"{r.describe()}: only in {r.only_in}" for r in records if r.only_in]
+    lines += [f"{r.describe()}: {r.note}" for r in records if r.note]
+    machine = [r for r in records if not r.is_case and not r.only_in]
+    if machine:
+        lines.append("ceiling and floor (the machine's, not counted as slowdowns):")
+        lines += [f"  {r.describe()}: {_times_text(r)}" for r in machine]
+    lines.append(summary_line(records))
+    return "\n".join(lines)
+
+
+def slower_than(records: Iterable[RowComparison], max_slowdown_pct: float) -> list[RowComparison]:
+    """The decode and write rows whose time grew by more than ``max_slowdown_pct`` %."""
+    return [r for r in records
+            if r.is_case and r.change_pct is not None and r.change_pct > max_slowdown_pct]
+
+
+def verdict_line(slower: Sequence[RowComparison], max_slowdown_pct: float) -> str:
+    """``PASS: ...`` where no row is in ``slower`` (`slower_than`), else ``FAIL: ...`` naming
+    each with its change, %."""
+    limit = f"{max_slowdown_pct:g} %"
+    if not slower:
+        return f"PASS: no decode or write row is slower by more than {limit}"
+    named = ", ".join(f"{r.describe()} ({_signed(r.change_pct)} %)" for r in slower)
+    return f"FAIL: {len(slower)} decode/write row(s) slower by more than {limit}: {named}"

@@ -1,0 +1,225 @@
+"""``compare``: two ``bench --json`` files matched row by row (no GPU: the files are built from
+the fake rows of test_bench)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fp8kturbov import bench, compare
+from fp8kturbov.__main__ import main
+from test_bench import DEVICE, fake_rows
+from test_cli import run_module
+
+DECODE_8X8K = bench.Shape("decode", 3, 8, 8192, 128, 32, 8, 16)
+WRITE_128 = bench.Shape("write", 3, 128, 0, 128, 32, 8, 16)
+
+
+def timed_row(shape: bench.Shape, median_us: float) -> dict:
+    """A bench row of ``shape`` measured at ``median_us`` µs per launch."""
+    result = bench.Result.for_shape(shape)
+    result.record(bench.Timing.of([median_us]), 4000.0)
+    return bench.dataclasses.asdict(result)
+
+
+def with_median(row: dict, median_us: float) -> dict:
+    return {**row, "median_us": median_us}
+
+
+def baseline_rows() -> list[dict]:
+    """fake_rows (copy, launch, decode 1x32768 at 14.5 µs, a skipped decode, write 16 tok at
+    3.0 µs) and a decode 8x8192 that the candidate lacks."""
+    return fake_rows() + [timed_row(DECODE_8X8K, 40.0)]
+
+
+def candidate_rows() -> list[dict]:
+    """fake_rows with the launch floor 20 % slower, the decode 10 % slower, the write 5 % faster,
+    and a write of 128 tokens that the baseline lacks."""
+    copy, launch, decode, skipped, write = fake_rows()
+    return [copy, with_median(launch, 3.0), with_median(decode, 14.5 * 1.1), skipped,
+            with_median(write, 3.0 * 0.95), timed_row(WRITE_128, 5.0)]
+
+
+@pytest.fixture
+def files(tmp_path):
+    """The paths of the baseline and candidate files, both written by `bench.write_json`."""
+    baseline, candidate = tmp_path / "main.json", tmp_path / "branch.json"
+    bench.write_json(baseline, baseline_rows(), DEVICE, bench.Config())
+    bench.write_json(candidate, candidate_rows(), DEVICE, bench.Config())
+    return str(baseline), str(candidate)
+
+
+# ---- Records ---------------------------------------------------------------------------------------
+
+
+def test_rows_match_by_what_they_measure(files):
+    records = compare.compare_files(*files).rows
+    assert [(r.describe(), r.only_in) for r in records] == [
+        ("copy 2 GiB DtoD", ""), ("launch 1-byte memset graph", ""),
+        ("decode 3b D128 1x32768", ""), ("decode 4b D128 32x32768", ""),
+        ("write 3b D128 16 tok", ""), ("decode 3b D128 8x8192", "baseline"),
+        ("write 3b D128 128 tok", "candidate")]
+    copy, launch, decode, skipped, write, baseline_only, candidate_only = records
+    assert (decode.baseline_us, decode.candidate_us) == (14.5, pytest.approx(15.95))
+    assert decode.change_pct == pytest.approx(10.0) and write.change_pct == pytest.approx(-5.0)
+    assert launch.change_pct == pytest.approx(20.0) and not launch.is_case and decode.is_case
+    assert copy.change_pct == 0.0
+    assert (baseline_only.baseline_us, baseline_only.candidate_us, baseline_only.ratio) == (40.0, None, None)
+    assert (candidate_only.baseline_us, candidate_only.candidate_us) == (None, 5.0)
+    assert skipped.ratio is None and skipped.note == (
+        "not measured in baseline (skipped: needs 200.0 GiB, 100.0 GiB free); "
+        "not measured in candidate (skipped: needs 200.0 GiB, 100.0 GiB free)")
+    assert decode.note == "" and baseline_only.note == ""
+
+
+def test_query_tokens_and_heads_make_different_measurements():
+    one_token = timed_row(DECODE_8X8K, 40.0)
+    four_tokens = timed_row(bench.dataclasses.replace(DECODE_8X8K, q_len=4), 41.0)
+    fewer_heads = timed_row(bench.dataclasses.replace(DECODE_8X8K, num_kv_heads=4), 20.0)
+    records = compare.compare_rows([one_token], [four_tokens, fewer_heads])
+    assert [(r.shape, r.only_in) for r in records] == [
+        ("8x8192", "baseline"), ("8x8192 q4", "candidate"), ("8x8192", "candidate")]
+    (matched,) = compare.compare_rows([four_tokens], [with_median(four_tokens, 45.1)])
+    assert matched.describe() == "decode 3b D128 8x8192 q4"
+    assert matched.change_pct == pytest.approx(10.0)
+
+
+def test_repeated_rows_pair_in_order():
+    rows = [timed_row(DECODE_8X8K, 40.0), timed_row(DECODE_8X8K, 50.0)]
+    records = compare.compare_rows(rows, [with_median(rows[0], 44.0)])
+    assert [(r.baseline_us, r.candidate_us, r.only_in) for r in records] == [
+        (40.0, 44.0, ""), (50.0, None, "baseline")]
+
+
+def test_only_decode_and_write_rows_count_as_slowdowns(files):
+    records = compare.compare_files(*files).rows
+    # The launch floor is 20 % slower, the decode 10 %: only the decode is a slowdown.
+    assert [r.describe() for r in compare.slower_than(records, 5.0)] == ["decode 3b D128 1x32768"]
+    assert compare.slower_than(records, 10.5) == []
+    assert [r.describe() for r in compare.slower_than(records, 0.0)] == ["decode 3b D128 1x32768"]
+
+
+# ---- Warnings and invalid files ----------------------------------------------------------------------
+
+
+def _document(device=DEVICE, **config) -> dict:
+    return {"device": device, "config": bench.dataclasses.asdict(bench.Config(**config))}
+
+
+def test_no_warning_for_equal_devices_and_configs_or_other_cases():
+    assert compare.context_warnings(_document(), _document()) == []
+    # Other cases are listed as rows of one file only, not warned about.
+    assert compare.context_warnings(_document(), _document(shapes=((8, 8192),), bits=(3,))) == []
+
+
+def test_different_gpus_and_options_are_warnings():
+    other_gpu = {**DEVICE, "name": "Other GPU", "timing_gate": False}
+    assert compare.context_warnings(_document(), _document(other_gpu)) == [
+        "warning: the devices differ (name Test GPU vs Other GPU, timing_gate True vs False): "
+        "the times may not be comparable"]
+    assert compare.context_warnings(_document(), _document(checked=True, iters=50)) == [
+        "warning: the configs differ (iters 200 vs 50, checked False vs True)"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"schema": "fp8kturbov-quality/1", "rows": []}', "schema 'fp8kturbov-quality/1' is not "
+                                                       "'fp8kturbov-bench/1'"),
+    ('[1, 2]', "schema None is not 'fp8kturbov-bench/1'"),
+    ('{"schema": "fp8kturbov-bench/1", "rows": {}}', "'rows' is not a list"),
+    ('{"schema": ', "not JSON"),
+])
+def test_a_file_that_is_not_a_bench_json_is_a_value_error(tmp_path, text, message):
+    path = tmp_path / "other.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        compare.load_bench_json(path)
+
+
+@pytest.mark.parametrize("text, want", [("2", 2.0), ("0", 0.0), ("0.5", 0.5)])
+def test_parse_percent(text, want):
+    assert compare.parse_percent(text) == want
+
+
+@pytest.mark.parametrize("text", ["-1", "x", "nan", "inf", ""])
+def test_parse_percent_rejects(text):
+    with pytest.raises(ValueError, match="is not a percentage >= 0"):
+        compare.parse_percent(text)
+
+
+# ---- Output ----------------------------------------------------------------------------------------
+
+
+def test_format_has_the_table_the_unmatched_rows_the_machine_and_the_summary(files):
+    lines = compare.format_comparison(compare.compare_files(*files)).splitlines()
+    context = "Test GPU | driver 580.1 (CUDA 13.0) | 2026-01-01T00:00:00+00:00"
+    assert lines[:3] == [f"baseline:  {files[0]}: commit abc1234 | {context}",
+                         f"candidate: {files[1]}: commit abc1234 | {context}", ""]
+    assert lines[3].split() == ["op", "bits", "shape", "D", "baseline", "us", "candidate", "us",
+                                "change", "%"]
+    table = [line.split() for line in lines[5:8]]
+    assert table == [["decode", "3", "1x32768", "128", "14.50", "15.95", "+10.0"],
+                     ["decode", "4", "32x32768", "128", "-", "-", "-"],
+                     ["write", "3", "16", "tok", "128", "3.00", "2.85", "-5.0"]]
+    assert len({len(line) for line in lines[3:8]}) == 1  # the columns align
+    assert lines[8] == ""
+    assert lines[9:11] == ["decode 3b D128 8x8192: only in baseline",
+                           "write 3b D128 128 tok: only in candidate"]
+    assert lines[11].startswith("decode 4b D128 32x32768: not measured in baseline (skipped")
+    assert lines[12:15] == ["ceiling and floor (the machine's, not counted as slowdowns):",
+                            "  copy 2 GiB DtoD: 1000.00 -> 1000.00 us (+0.0 %)",
+                            "  launch 1-byte memset graph: 2.50 -> 3.00 us (+20.0 %)"]
+    mean = math.sqrt(1.1 * 0.95)
+    assert lines[15:] == [f"worst slowdown: +10.0 % (decode 3b D128 1x32768); geometric-mean ratio "
+                          f"candidate/baseline over 2 decode/write rows: {mean:.4f} "
+                          f"({100 * (mean - 1):+.1f} %)"]
+
+
+def test_format_shows_the_warnings_and_a_summary_without_matches(tmp_path):
+    baseline, candidate = tmp_path / "a.json", tmp_path / "b.json"
+    bench.write_json(baseline, fake_rows()[:2] + [timed_row(DECODE_8X8K, 40.0)], DEVICE, bench.Config())
+    bench.write_json(candidate, fake_rows()[:2], {**DEVICE, "name": "Other GPU"},
+                     bench.Config(sinks=True))
+    lines = compare.format_comparison(compare.compare_files(baseline, candidate)).splitlines()
+    assert lines[2:4] == ["warning: the devices differ (name Test GPU vs Other GPU): the times may "
+                          "not be comparable", "warning: the configs differ (sinks False vs True)"]
+    assert lines[-1] == "no decode or write row was measured in both files"
+
+
+# ---- Command line ----------------------------------------------------------------------------------
+
+
+def test_cli_prints_the_comparison(files, capsys):
+    assert main(["compare", *files]) == 0
+    out = capsys.readouterr().out
+    assert out == compare.format_comparison(compare.compare_files(*files)) + "\n"
+    assert "PASS" not in out and "FAIL" not in out
+
+
+def test_cli_fails_on_a_slowdown_over_the_limit(files, capsys):
+    assert main(["compare", *files, "--max-slowdown", "5"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "FAIL: 1 decode/write row(s) slower by more than 5 %: decode 3b D128 1x32768 (+10.0 %)")
+    assert main(["compare", *files, "--max-slowdown", "10.5"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "PASS: no decode or write row is slower by more than 10.5 %")
+
+
+def test_cli_a_file_that_is_not_a_bench_json_is_one_line(files, tmp_path, capsys):
+    other = tmp_path / "quality.json"
+    other.write_text(json.dumps({"schema": "fp8kturbov-quality/1"}))
+    assert main(["compare", files[0], str(other)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"python -m fp8kturbov compare: error: {other}: schema 'fp8kturbov-quality/1' is not "
+        "'fp8kturbov-bench/1' (the files of 'python -m fp8kturbov bench --json PATH')\n")
+    assert main(["compare", files[0], str(tmp_path / "missing.json")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_module_exit_status(files):
+    done = run_module("compare", *files, "--max-slowdown", "2")
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+    assert done.stdout.splitlines()[-1].startswith("FAIL: 1 decode/write row(s)")
+    assert run_module("compare", files[0], files[0], "--max-slowdown", "0").returncode == 0
