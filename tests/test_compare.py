@@ -86,6 +86,18 @@ def test_query_tokens_and_heads_make_different_measurements():
     assert matched.change_pct == pytest.approx(10.0)
 
 
+def test_rows_of_files_without_query_tokens_match_one_token_decodes():
+    """Bench files of library 0.2 have no q_len: their decode rows are one token per sequence."""
+    old_decode, old_write = ({k: v for k, v in timed_row(shape, 40.0).items() if k != "q_len"}
+                             for shape in (DECODE_8X8K, WRITE_128))
+    four_tokens = timed_row(bench.dataclasses.replace(DECODE_8X8K, q_len=4), 41.0)
+    records = compare.compare_rows([old_decode, old_write],
+                                   [timed_row(DECODE_8X8K, 44.0), timed_row(WRITE_128, 40.0), four_tokens])
+    assert [(r.describe(), r.only_in) for r in records] == [
+        ("decode 3b D128 8x8192", ""), ("write 3b D128 128 tok", ""), ("decode 3b D128 8x8192 q4", "candidate")]
+    assert records[0].change_pct == pytest.approx(10.0)
+
+
 def test_repeated_rows_pair_in_order():
     rows = [timed_row(DECODE_8X8K, 40.0), timed_row(DECODE_8X8K, 50.0)]
     records = compare.compare_rows(rows, [with_median(rows[0], 44.0)])

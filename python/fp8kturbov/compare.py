@@ -117,8 +117,10 @@ def load_bench_json(path: str | Path) -> dict[str, Any]:
 
 
 def row_identity(row: dict[str, Any]) -> tuple[Any, ...]:
-    """What ``row`` measures (`ROW_IDENTITY`): rows of two runs with equal identities match."""
-    return tuple(row[name] for name in ROW_IDENTITY)
+    """What ``row`` measures (`ROW_IDENTITY`): rows of two runs with equal identities match. The
+    files of library 0.2 have no ``q_len``: their decode rows are one query token per sequence."""
+    older = {"q_len": 1 if row["op"] == "decode" else None}
+    return tuple(row[name] if name in row else older[name] for name in ROW_IDENTITY)
 
 
 def _median_us(row: dict[str, Any] | None) -> float | None:
@@ -128,7 +130,7 @@ def _median_us(row: dict[str, Any] | None) -> float | None:
 def _record(baseline: dict[str, Any] | None, candidate: dict[str, Any] | None) -> RowComparison:
     """The record of a matched pair of rows, or of one row (the other None)."""
     row = baseline if baseline is not None else candidate
-    q_len = row["q_len"] or 1
+    q_len = row.get("q_len") or 1  # absent from the files of library 0.2
     sides = (("baseline", baseline), ("candidate", candidate))
     skipped = [f"not measured in {name} ({side['note']})" for name, side in sides
                if side is not None and side["median_us"] is None]
