@@ -37,7 +37,7 @@ extern "C" {
 
 /* ---- Versions ------------------------------------------------------------------------------ */
 #define FP8KTURBOV_VERSION_MAJOR 0
-#define FP8KTURBOV_VERSION_MINOR 2
+#define FP8KTURBOV_VERSION_MINOR 3
 #define FP8KTURBOV_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define FP8KTURBOV_VERSION \
