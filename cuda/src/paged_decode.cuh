@@ -275,8 +275,10 @@ struct DecodeSmem {
 };
 
 // CODE_COPY: bytes per V code copy, DecodeShape::kMaxCodeCopy where the pool layout allows it
-// (DecodeArgs::v_code_copy_bytes), else 4.
-template <int BITS, int HEAD_DIM, int CODE_COPY>
+// (DecodeArgs::v_code_copy_bytes), else 4. MULTI_TOKEN: the decode has query_start (several query
+// tokens per sequence). One-token decodes get a kernel of their own, in which none of the
+// multi-token indexing exists and whose registers are allocated for its own code alone.
+template <int BITS, int HEAD_DIM, int CODE_COPY, bool MULTI_TOKEN>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     paged_decode_kernel(const DecodeArgs a, const DecodePlan plan) {
   using S = DecodeShape<BITS, HEAD_DIM>;
@@ -313,530 +315,517 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const uint32_t seq = seq_split / plan.num_splits;
   const uint32_t split = seq_split % plan.num_splits;
   const int given_seq_len = a.seq_lens[seq];  // issued first: the CTA's range waits on it
-  auto decode_sequence = [&](auto multi_token_tag) {
-    constexpr bool kMultiToken = decltype(multi_token_tag)::value;
-    const bool reports = a.index_check.enabled() && tid == 0 && chunk == 0 && kv_head == 0 && split == 0;  // once per sequence
-    uint32_t row0 = seq;
-    int q_len = 1;
-    if (kMultiToken && !sequence_query_rows(a, seq, row0, q_len)) {
-      if (reports) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
-      return;
+  const bool reports = a.index_check.enabled() && tid == 0 && chunk == 0 && kv_head == 0 && split == 0;  // once per sequence
+  uint32_t row0 = seq;
+  int q_len = 1;
+  if (MULTI_TOKEN && !sequence_query_rows(a, seq, row0, q_len)) {
+    if (reports) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+    return;
+  }
+  // This CTA's columns: first_column + c for c < num_columns, each a (query token, query head).
+  const uint32_t group_size = a.num_q_heads / a.num_kv_heads;
+  const int first_column = int(chunk) * kHeadsPerCta;
+  const int num_columns = min(kHeadsPerCta, q_len * int(group_size) - first_column);
+  if (num_columns <= 0) return;  // a sequence with fewer query tokens than the grid is sized for
+  // One query token: column c is query head first_column + c of the group.
+  auto column_token = [&](int c) -> uint32_t { return MULTI_TOKEN ? uint32_t(first_column + c) / group_size : 0u; };
+  auto column_head = [&](int c) -> uint32_t {
+    return kv_head * group_size + (MULTI_TOKEN ? uint32_t(first_column + c) % group_size : uint32_t(first_column + c));
+  };
+
+  // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
+  // + 1 (causal inside the query chunk; seq_len for one token); a length beyond the block table
+  // is clamped to it so that no read leaves the table. The CTA's range spans its columns'; it
+  // takes its split's share of whole tiles.
+  const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
+  const int seq_len = min(max(given_seq_len, 0), table_positions);
+  if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
+  if (reports && MULTI_TOKEN && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+  auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
+  auto window_start = [&](int end) {
+    return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
+  };
+  const int start = window_start(column_end(0));
+  const int attend_end = column_end(num_columns - 1);
+  // Columns of several query tokens attend different ranges: their loop masks per column.
+  const bool columns_masked = column_token(0) != column_token(num_columns - 1);
+  // Tiles sit on absolute multiples of 16 positions (so that with block_size % 16 == 0 a tile lies
+  // in one page); rows outside [range_begin, range_end) are masked.
+  const int64_t split_begin = (start & ~(kTileTokens - 1)) + int64_t(split) * plan.split_tokens;
+  const int64_t split_end = split_begin + plan.split_tokens;
+  const int range_begin = int(split_begin > start ? split_begin : start);
+  const int range_end = int(split_end < attend_end ? split_end : attend_end);
+  const bool tile_in_one_page = a.block_size % kTileTokens == 0;
+
+  // Checked mode: the CTA checks the page of every position it attends, table entries
+  // [check_begin, check_end), before its loop. Each thread's first entry is loaded here, so that
+  // its latency overlaps the query's.
+  const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
+  uint32_t check_begin = 0, check_end = 0;
+  int32_t first_page = 0;
+  if (a.index_check.enabled()) {
+    if (range_begin < range_end) {
+      uint32_t offset;
+      split_position(a, uint32_t(range_begin), check_begin, offset);
+      split_position(a, uint32_t(range_end - 1), check_end, offset);
+      ++check_end;
+      if (check_begin + tid < check_end) first_page = __ldg(table + check_begin + tid);
     }
-    // This CTA's columns: first_column + c for c < num_columns, each a (query token, query head).
-    const uint32_t group_size = a.num_q_heads / a.num_kv_heads;
-    const int first_column = int(chunk) * kHeadsPerCta;
-    const int num_columns = min(kHeadsPerCta, q_len * int(group_size) - first_column);
-    if (num_columns <= 0) return;  // a sequence with fewer query tokens than the grid is sized for
-    // One query token: column c is query head first_column + c of the group.
-    auto column_token = [&](int c) -> uint32_t { return kMultiToken ? uint32_t(first_column + c) / group_size : 0u; };
-    auto column_head = [&](int c) -> uint32_t {
-      return kv_head * group_size + (kMultiToken ? uint32_t(first_column + c) % group_size : uint32_t(first_column + c));
-    };
+  }
 
-    // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
-    // + 1 (causal inside the query chunk; seq_len for one token); a length beyond the block table
-    // is clamped to it so that no read leaves the table. The CTA's range spans its columns'; it
-    // takes its split's share of whole tiles.
-    const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
-    const int seq_len = min(max(given_seq_len, 0), table_positions);
-    if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
-    if (reports && kMultiToken && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
-    auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
-    auto window_start = [&](int end) {
-      return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
-    };
-    const int start = window_start(column_end(0));
-    const int attend_end = column_end(num_columns - 1);
-    // Columns of several query tokens attend different ranges: their loop masks per column.
-    const bool columns_masked = column_token(0) != column_token(num_columns - 1);
-    // Tiles sit on absolute multiples of 16 positions (so that with block_size % 16 == 0 a tile lies
-    // in one page); rows outside [range_begin, range_end) are masked.
-    const int64_t split_begin = (start & ~(kTileTokens - 1)) + int64_t(split) * plan.split_tokens;
-    const int64_t split_end = split_begin + plan.split_tokens;
-    const int range_begin = int(split_begin > start ? split_begin : start);
-    const int range_end = int(split_end < attend_end ? split_end : attend_end);
-    const bool tile_in_one_page = a.block_size % kTileTokens == 0;
-
-    // Checked mode: the CTA checks the page of every position it attends, table entries
-    // [check_begin, check_end), before its loop. Each thread's first entry is loaded here, so that
-    // its latency overlaps the query's.
-    const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
-    uint32_t check_begin = 0, check_end = 0;
-    int32_t first_page = 0;
-    if (a.index_check.enabled()) {
-      if (range_begin < range_end) {
-        uint32_t offset;
-        split_position(a, uint32_t(range_begin), check_begin, offset);
-        split_position(a, uint32_t(range_end - 1), check_end, offset);
-        ++check_end;
-        if (check_begin + tid < check_end) first_page = __ldg(table + check_begin + tid);
-      }
+  // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
+  // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
+  // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
+  // q_at(i): element i = c·HEAD_DIM + d of the chunk, column c, dimension d. Returns the gain.
+  auto load_query = [&](auto q_at) {
+    float q_absmax = 0.0f;
+    for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
+      const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(q_at(i))));
+      if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
     }
-
-    // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
-    // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
-    // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
-    // q_at(i): element i = c·HEAD_DIM + d of the chunk, column c, dimension d. Returns the gain.
-    auto load_query = [&](auto q_at) {
-      float q_absmax = 0.0f;
-      for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
-        const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(q_at(i))));
-        if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
-      }
-  #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
-      if (lane == 0) q_absmax_s[warp] = q_absmax;
-      for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
-        level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
-      __syncthreads();
-      q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
-      int q_exp = 0;
-      if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
-      q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
-      const float gain = ldexpf(1.0f, 15 - q_exp);
-      for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
-        const int h = i / HEAD_DIM;
-        const float v = h < num_columns ? __bfloat162float(__ushort_as_bfloat16(q_at(i))) : 0.0f;
-        q_s[h][i % HEAD_DIM] = __float2half_rn(v * gain);
-      }
-      return gain;
-    };
-    // One query token: the chunk's heads are consecutive in its q row, so the loads are one strided
-    // stream that the compiler batches (in flight together); several tokens: per column.
-    float q_gain;
-    if constexpr (kMultiToken) {
-      q_gain = load_query([&](int i) {
-        const int c = i / HEAD_DIM;
-        return a.q[uint64_t(row0 + column_token(c)) * a.q_stride + uint64_t(column_head(c)) * HEAD_DIM + i % HEAD_DIM];
-      });
-    } else {
-      const uint16_t* q_row = a.q + uint64_t(row0) * a.q_stride + uint64_t(column_head(0)) * HEAD_DIM;
-      q_gain = load_query([&](int i) { return q_row[i]; });
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
+    if (lane == 0) q_absmax_s[warp] = q_absmax;
+    for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
+      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
+    __syncthreads();
+    q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
+    int q_exp = 0;
+    if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
+    q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
+    const float gain = ldexpf(1.0f, 15 - q_exp);
+    for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
+      const int h = i / HEAD_DIM;
+      const float v = h < num_columns ? __bfloat162float(__ushort_as_bfloat16(q_at(i))) : 0.0f;
+      q_s[h][i % HEAD_DIM] = __float2half_rn(v * gain);
     }
-    // Only a CTA that finds a page out of range masks tiles in its loop; the others run the loop of
-    // the unchecked kernel.
-    bool pages_masked = false;
-    if (a.index_check.enabled()) {  // CTA-uniform
-      bool out_of_range = check_begin + tid < check_end && a.index_check.page_out_of_range(first_page);
-      for (uint32_t block = check_begin + tid + kDecodeThreads; block < check_end; block += kDecodeThreads)
-        out_of_range |= a.index_check.page_out_of_range(__ldg(table + block));
-      pages_masked = __syncthreads_or(out_of_range) != 0;
-      if (pages_masked && tid == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE);
-    } else {
-      __syncthreads();
-    }
-    // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e), or with soft-capping
-    // s2 = cap · tanh((q·k) · k_scale · inv_sqrt_d / cap) · log2(e).
-    const float score_to_log2 = a.score_scale * kLog2e / q_gain;
-    const float score_per_cap = a.soft_cap > 0.0f ? a.score_scale / q_gain / a.soft_cap : 0.0f;
-    const float cap_log2 = a.soft_cap * kLog2e;
+    return gain;
+  };
+  // One query token: the chunk's heads are consecutive in its q row, so the loads are one strided
+  // stream that the compiler batches (in flight together); several tokens: per column.
+  float q_gain;
+  if constexpr (MULTI_TOKEN) {
+    q_gain = load_query([&](int i) {
+      const int c = i / HEAD_DIM;
+      return a.q[uint64_t(row0 + column_token(c)) * a.q_stride + uint64_t(column_head(c)) * HEAD_DIM + i % HEAD_DIM];
+    });
+  } else {
+    const uint16_t* q_row = a.q + uint64_t(row0) * a.q_stride + uint64_t(column_head(0)) * HEAD_DIM;
+    q_gain = load_query([&](int i) { return q_row[i]; });
+  }
+  // Only a CTA that finds a page out of range masks tiles in its loop; the others run the loop of
+  // the unchecked kernel.
+  bool pages_masked = false;
+  if (a.index_check.enabled()) {  // CTA-uniform
+    bool out_of_range = check_begin + tid < check_end && a.index_check.page_out_of_range(first_page);
+    for (uint32_t block = check_begin + tid + kDecodeThreads; block < check_end; block += kDecodeThreads)
+      out_of_range |= a.index_check.page_out_of_range(__ldg(table + block));
+    pages_masked = __syncthreads_or(out_of_range) != 0;
+    if (pages_masked && tid == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE);
+  } else {
+    __syncthreads();
+  }
+  // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e), or with soft-capping
+  // s2 = cap · tanh((q·k) · k_scale · inv_sqrt_d / cap) · log2(e).
+  const float score_to_log2 = a.score_scale * kLog2e / q_gain;
+  const float score_per_cap = a.soft_cap > 0.0f ? a.score_scale / q_gain / a.soft_cap : 0.0f;
+  const float cap_log2 = a.soft_cap * kLog2e;
 
-    // The tile loop and the epilogue, in instances: with tiles masked where checked mode found a
-    // page out of range (and, for several tokens, per column), with positions masked per column
-    // (CTAs holding columns of several tokens), and without either, which every other CTA runs (all
-    // of them in an unchecked one-token decode).
-    auto decode_tiles = [&](auto mask_pages, auto mask_columns) {
-      constexpr bool kMaskPages = decltype(mask_pages)::value;
-      constexpr bool kMaskColumns = decltype(mask_columns)::value;
-      const uint32_t row_elems = a.num_kv_heads * HEAD_DIM;  // < 2^32, validated
-      const uint32_t row_code_bytes = row_elems / 8 * BITS;
-      const uint32_t row_scale_bytes = row_elems / kGroupElems;
-      // This warp's slice of a token row in each pool (bytes).
-      const uint64_t k_slice = uint64_t(kv_head) * HEAD_DIM + slice_d0;  // < 2^32
-      const uint64_t code_slice = k_slice * BITS / 8;
-      const uint64_t scale_slice = a.v_data_section_bytes + k_slice / kGroupElems;
-      const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
+  // The tile loop and the epilogue, in instances: with tiles masked where checked mode found a
+  // page out of range (and, for several tokens, per column), with positions masked per column
+  // (CTAs holding columns of several tokens), and without either, which every other CTA runs (all
+  // of them in an unchecked one-token decode).
+  auto decode_tiles = [&](auto mask_pages, auto mask_columns) {
+    constexpr bool kMaskPages = decltype(mask_pages)::value;
+    constexpr bool kMaskColumns = decltype(mask_columns)::value;
+    const uint32_t row_elems = a.num_kv_heads * HEAD_DIM;  // < 2^32, validated
+    const uint32_t row_code_bytes = row_elems / 8 * BITS;
+    const uint32_t row_scale_bytes = row_elems / kGroupElems;
+    // This warp's slice of a token row in each pool (bytes).
+    const uint64_t k_slice = uint64_t(kv_head) * HEAD_DIM + slice_d0;  // < 2^32
+    const uint64_t code_slice = k_slice * BITS / 8;
+    const uint64_t scale_slice = a.v_data_section_bytes + k_slice / kGroupElems;
+    const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
 
-      auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
+    auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
 
-      // ---- The copy pipeline: each warp streams its tiles through its own ring of stages ----------
-      const int first_tile = int(split_begin) + stream * kTileTokens;
-      const int tile_step = S::kStreams * kTileTokens;
-      // With d-slices, every warp runs the same number of iterations (a stream's last one may be
-      // fully masked) so that the score exchange can use a CTA-wide barrier.
-      const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
-                                                                   tile_step * tile_step
-                                          : range_end;
-      const int num_tiles = loop_end > first_tile ? (loop_end - first_tile + tile_step - 1) / tile_step : 0;
-      uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
-      int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
+    // ---- The copy pipeline: each warp streams its tiles through its own ring of stages ----------
+    const int first_tile = int(split_begin) + stream * kTileTokens;
+    const int tile_step = S::kStreams * kTileTokens;
+    // With d-slices, every warp runs the same number of iterations (a stream's last one may be
+    // fully masked) so that the score exchange can use a CTA-wide barrier.
+    const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
+                                                                 tile_step * tile_step
+                                        : range_end;
+    const int num_tiles = loop_end > first_tile ? (loop_end - first_tile + tile_step - 1) / tile_step : 0;
+    uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
+    int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
 
-      // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
-      // tile 32·b + j of this warp's stream (batch b) in a register, and the next batch is loaded 32
-      // tiles before it is needed. Otherwise the page ids of tile k's rows travel through the copy
-      // pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the data. Rows
-      // and tiles outside the range get page id 0 and are never read. Where checked mode masks pages,
-      // a page id out of range becomes -1, which masks its tile.
-      auto load_page_batch = [&](int batch) -> int32_t {
-        const int k = batch * 32 + lane;
-        const int tile = first_tile + k * tile_step;
-        int32_t page = 0;
-        if (k < num_tiles && tile < range_end && tile + kTileTokens > range_begin) {
-          uint32_t block, offset;
-          split_position(a, uint32_t(tile), block, offset);
-          page = __ldg(table + block);
-        }
-        if (kMaskPages && a.index_check.page_out_of_range(page)) page = -1;
-        return page;
-      };
-      int32_t page_batch = 0, next_page_batch = 0;
-      if (tile_in_one_page) {
-        page_batch = load_page_batch(0);
-        next_page_batch = load_page_batch(1);
-      }
-      auto copy_page_ids = [&](int k) {
-        if (tile_in_one_page || lane >= kTileTokens) return;
-        const int tile = first_tile + k * tile_step;
-        const bool valid = in_range(tile + lane);
+    // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
+    // tile 32·b + j of this warp's stream (batch b) in a register, and the next batch is loaded 32
+    // tiles before it is needed. Otherwise the page ids of tile k's rows travel through the copy
+    // pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the data. Rows
+    // and tiles outside the range get page id 0 and are never read. Where checked mode masks pages,
+    // a page id out of range becomes -1, which masks its tile.
+    auto load_page_batch = [&](int batch) -> int32_t {
+      const int k = batch * 32 + lane;
+      const int tile = first_tile + k * tile_step;
+      int32_t page = 0;
+      if (k < num_tiles && tile < range_end && tile + kTileTokens > range_begin) {
         uint32_t block, offset;
-        split_position(a, uint32_t(tile + lane), block, offset);
-        copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
-      };
-      // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
-      // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
-      // the fragment reads below hit all 32 banks.
-      auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
-      // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
-      // code path: the common one computes each pool's tile base once and each row with one IMAD.
-      // Tiles are copied in increasing k, which the page-id batches rely on.
-      auto copy_tile = [&](int k, auto one_page) {
-        constexpr bool kOnePage = decltype(one_page)::value;
-        const int tile = first_tile + k * tile_step;
-        const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
-        uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
-        uint32_t block, offset0;
-        split_position(a, uint32_t(tile), block, offset0);
-        uint64_t page0 = 0;
-        uint32_t masked_rows = 0;  // rows (bit r) whose page is out of range (checked mode)
-        if constexpr (kOnePage) {
-          if (k % 32 == 0 && k > 0) {
-            page_batch = next_page_batch;
-            next_page_batch = load_page_batch(k / 32 + 1);
-          }
-          const int32_t page = __shfl_sync(0xffffffffu, page_batch, k % 32);
-          page0 = uint32_t(page);
-          if (kMaskPages && page < 0) masked_rows = (1u << kTileTokens) - 1;
-        } else if (kMaskPages) {
-          masked_rows = __ballot_sync(0xffffffffu, lane < kTileTokens && a.index_check.page_out_of_range(pages[lane]));
+        split_position(a, uint32_t(tile), block, offset);
+        page = __ldg(table + block);
+      }
+      if (kMaskPages && a.index_check.page_out_of_range(page)) page = -1;
+      return page;
+    };
+    int32_t page_batch = 0, next_page_batch = 0;
+    if (tile_in_one_page) {
+      page_batch = load_page_batch(0);
+      next_page_batch = load_page_batch(1);
+    }
+    auto copy_page_ids = [&](int k) {
+      if (tile_in_one_page || lane >= kTileTokens) return;
+      const int tile = first_tile + k * tile_step;
+      const bool valid = in_range(tile + lane);
+      uint32_t block, offset;
+      split_position(a, uint32_t(tile + lane), block, offset);
+      copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
+    };
+    // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
+    // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
+    // the fragment reads below hit all 32 banks.
+    auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
+    // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
+    // code path: the common one computes each pool's tile base once and each row with one IMAD.
+    // Tiles are copied in increasing k, which the page-id batches rely on.
+    auto copy_tile = [&](int k, auto one_page) {
+      constexpr bool kOnePage = decltype(one_page)::value;
+      const int tile = first_tile + k * tile_step;
+      const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
+      uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
+      uint32_t block, offset0;
+      split_position(a, uint32_t(tile), block, offset0);
+      uint64_t page0 = 0;
+      uint32_t masked_rows = 0;  // rows (bit r) whose page is out of range (checked mode)
+      if constexpr (kOnePage) {
+        if (k % 32 == 0 && k > 0) {
+          page_batch = next_page_batch;
+          next_page_batch = load_page_batch(k / 32 + 1);
         }
-        if (kMaskPages && lane == 0) masked_rows_s[warp][k % kDecodeStages] = masked_rows;
-        // Rows of the tile in a pool of the given page stride and row size, from byte `col` of the
-        // row (row sizes are < 2^25: num_kv_heads <= 65535, head_dim <= 512).
-        auto tile_rows = [&](const uint8_t* pool, uint64_t page_stride, uint32_t row_bytes, uint64_t col) {
-          const uint8_t* tile_base = pool + page0 * page_stride + uint64_t(offset0) * row_bytes + col;
-          return [=](int row) -> const uint8_t* {
-            if constexpr (kOnePage) return tile_base + uint64_t(uint32_t(row) * row_bytes);
-            uint32_t row_block, offset;
-            split_position(a, uint32_t(tile + row), row_block, offset);
-            return pool + uint64_t(uint32_t(pages[row])) * page_stride + uint64_t(offset) * row_bytes + col;
-          };
+        const int32_t page = __shfl_sync(0xffffffffu, page_batch, k % 32);
+        page0 = uint32_t(page);
+        if (kMaskPages && page < 0) masked_rows = (1u << kTileTokens) - 1;
+      } else if (kMaskPages) {
+        masked_rows = __ballot_sync(0xffffffffu, lane < kTileTokens && a.index_check.page_out_of_range(pages[lane]));
+      }
+      if (kMaskPages && lane == 0) masked_rows_s[warp][k % kDecodeStages] = masked_rows;
+      // Rows of the tile in a pool of the given page stride and row size, from byte `col` of the
+      // row (row sizes are < 2^25: num_kv_heads <= 65535, head_dim <= 512).
+      auto tile_rows = [&](const uint8_t* pool, uint64_t page_stride, uint32_t row_bytes, uint64_t col) {
+        const uint8_t* tile_base = pool + page0 * page_stride + uint64_t(offset0) * row_bytes + col;
+        return [=](int row) -> const uint8_t* {
+          if constexpr (kOnePage) return tile_base + uint64_t(uint32_t(row) * row_bytes);
+          uint32_t row_block, offset;
+          split_position(a, uint32_t(tile + row), row_block, offset);
+          return pool + uint64_t(uint32_t(pages[row])) * page_stride + uint64_t(offset) * row_bytes + col;
         };
-        const int valid_begin = range_begin - tile;  // valid rows: [valid_begin, valid_end), not masked
-        const int valid_end = kMaskPages && kOnePage && masked_rows != 0 ? valid_begin : range_end - tile;
-        auto valid_row = [&](int row) {
-          return row >= valid_begin && row < valid_end && (!kMaskPages || kOnePage || !((masked_rows >> row) & 1));
-        };
-        constexpr int kKRowChunks = S::kKRowBytes / 16;
-        const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
-    #pragma unroll
-        for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
-          const int id = lane + 32 * j;
-          const int row = id / kKRowChunks;
-          const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
-          const bool valid = valid_row(row);
-          const uint8_t* src = k_rows(row);
-          copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
-        }
-        constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
-        const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
-    #pragma unroll
-        for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
-          const int id = lane + 32 * j;
-          if (id < kTileTokens * kCodeRowCopies) {
-            const int row = id / kCodeRowCopies;
-            const int part = id % kCodeRowCopies;
-            const bool valid = valid_row(row);
-            const uint8_t* src = code_rows(row) + CODE_COPY * part;
-            copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
-                                  valid ? src : a.v_cache, valid);
-          }
-        }
-        // Scales: 4 or 8 bytes per row, in 4-byte copies.
-        constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
-        if (lane < kTileTokens * kScaleRowCopies) {
-          const int row = lane / kScaleRowCopies;
-          const int part = lane % kScaleRowCopies;
-          const bool valid = valid_row(row);
-          const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
-          copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
-                        valid ? src : a.v_cache, valid);
-        }
       };
-
-      auto copy_tile_any = [&](int k) {
-        if (tile_in_one_page)
-          copy_tile(k, std::true_type{});
-        else
-          copy_tile(k, std::false_type{});
+      const int valid_begin = range_begin - tile;  // valid rows: [valid_begin, valid_end), not masked
+      const int valid_end = kMaskPages && kOnePage && masked_rows != 0 ? valid_begin : range_end - tile;
+      auto valid_row = [&](int row) {
+        return row >= valid_begin && row < valid_end && (!kMaskPages || kOnePage || !((masked_rows >> row) & 1));
       };
-
-      // The attended ranges of this thread's columns 2t and 2t+1, where they differ from the CTA's.
-      int column_begin[2] = {0, 0}, column_stop[2] = {0, 0};
-      if constexpr (kMaskColumns) {
-    #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          column_stop[c] = column_end(2 * t + c);
-          column_begin[c] = window_start(column_stop[c]);
+      constexpr int kKRowChunks = S::kKRowBytes / 16;
+      const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
+  #pragma unroll
+      for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
+        const int id = lane + 32 * j;
+        const int row = id / kKRowChunks;
+        const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
+        const bool valid = valid_row(row);
+        const uint8_t* src = k_rows(row);
+        copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
+      }
+      constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
+      const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
+  #pragma unroll
+      for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
+        const int id = lane + 32 * j;
+        if (id < kTileTokens * kCodeRowCopies) {
+          const int row = id / kCodeRowCopies;
+          const int part = id % kCodeRowCopies;
+          const bool valid = valid_row(row);
+          const uint8_t* src = code_rows(row) + CODE_COPY * part;
+          copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
+                                valid ? src : a.v_cache, valid);
         }
       }
-      // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
-      float run_max[2] = {-INFINITY, -INFINITY};
-      float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
-      float acc[S::kMTiles][4];
-    #pragma unroll
-      for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-
-      // Prologue: the page ids of the first kDecodeStages - 1 tiles, then those tiles, each copy group
-      // also fetching the page ids that the copy kDecodeStages - 1 tiles later will need.
-      for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
-      copy_async_commit();
-      copy_async_wait<0>();
-      __syncwarp();
-      for (int k = 0; k < kDecodeStages - 1; ++k) {
-        __syncwarp();  // every lane has read page slot k - 1 before it is refilled
-        if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1);
-        if (k < num_tiles) copy_tile_any(k);
-        copy_async_commit();
-      }
-
-      const int k_row_token[2] = {g, g + 8};
-      const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-      int parity = 0;
-      for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
-        // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
-        // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
-        copy_async_wait<kDecodeStages - 2>();
-        __syncwarp();
-        if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
-        if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
-        copy_async_commit();
-
-        const int tile = first_tile + k * tile_step;
-        const uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
-        // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
-        uint4 k_bytes[2][S::kKChunks];
-    #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = k_row_token[half];
-    #pragma unroll
-          for (int c = 0; c < S::kKChunks; ++c)
-            k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, t + 4 * c));
-        }
-        // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
-        float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    #pragma unroll
-        for (int j = 0; j < S::kKSteps; ++j) {
-          const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
-          const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
-          const uint32_t a_frag[4] = {e4m3x2_to_half2_bits(k_lo & 0xFFFF), e4m3x2_to_half2_bits(k_hi & 0xFFFF),
-                                      e4m3x2_to_half2_bits(k_lo >> 16), e4m3x2_to_half2_bits(k_hi >> 16)};
-          const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
-          mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
-        }
-        float s[4];
-    #pragma unroll
-        for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
-        if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
-          score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
-          __syncthreads();
-          float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    #pragma unroll
-          for (int w = 0; w < S::kSlices; ++w) {
-            const float4 p = score_s[parity][stream * S::kSlices + w][lane];
-            total.x += p.x; total.y += p.y; total.z += p.z; total.w += p.w;
-          }
-          s[0] = total.x; s[1] = total.y; s[2] = total.z; s[3] = total.w;
-        }
-
-        // Online softmax per head column; masked tokens get weight 0. A NaN score is not a maximum
-        // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
-        bool row_valid[2] = {in_range(tile + g), in_range(tile + g + 8)};
-        if (kMaskPages) {  // rows of out-of-range pages take no part (copied as zeros)
-          const uint32_t masked = masked_rows_s[warp][k % kDecodeStages];
-          row_valid[0] = row_valid[0] && !((masked >> g) & 1);
-          row_valid[1] = row_valid[1] && !((masked >> (g + 8)) & 1);
-        }
-        if (a.soft_cap > 0.0f) {  // a branch the whole CTA takes or not
-    #pragma unroll
-          for (int r = 0; r < 4; ++r) s[r] = cap_log2 * soft_cap_tanh(s[r] * score_per_cap);
-        } else {
-    #pragma unroll
-          for (int r = 0; r < 4; ++r) s[r] *= score_to_log2;
-        }
-        float p[4];
-        float alpha[2];
-        bool all_small = true;
-    #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          bool valid[2] = {row_valid[0], row_valid[1]};
-          if constexpr (kMaskColumns) {
-    #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int pos = tile + k_row_token[half];
-              valid[half] = valid[half] && pos >= column_begin[c] && pos < column_stop[c];
-            }
-          }
-          const float s0 = valid[0] ? s[c] : -INFINITY;
-          const float s1 = valid[1] ? s[2 + c] : -INFINITY;
-          float tile_max = fmaxf(s0, s1);
-    #pragma unroll
-          for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-          const float new_max = fmaxf(run_max[c], tile_max);
-          alpha[c] = new_max == -INFINITY ? 1.0f : exp2f(run_max[c] - new_max);
-          p[c] = s0 == -INFINITY ? 0.0f : exp2f(s0 - new_max);
-          p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
-          run_max[c] = new_max;
-          // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
-          if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
-        }
-        const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
-        const uint32_t p_hi = half2_bits(p[2], p[3]);  // token g+8
-        {
-          const __half2 lo = *reinterpret_cast<const __half2*>(&p_lo);
-          const __half2 hi = *reinterpret_cast<const __half2*>(&p_hi);
-          // The denominator sums the same fp16-rounded weights that multiply V.
-          run_denom[0] = run_denom[0] * alpha[0] + __low2float(lo) + __low2float(hi);
-          run_denom[1] = run_denom[1] * alpha[1] + __high2float(lo) + __high2float(hi);
-        }
-        // Once the maxima settle, alpha is exactly 1: skip the rescale when no lane needs it.
-        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-    #pragma unroll
-          for (int i = 0; i < S::kMTiles; ++i) {
-            acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-          }
-        }
-        const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
-        if (!skip) {
-          // P^T as the B operand: tokens (2t, 2t+1) and (2t+8, 2t+9) of head g.
-          const uint32_t pb0 = transpose_8x8(p_lo);
-          const uint32_t pb1 = transpose_8x8(p_hi);
-          // This thread's codes and scales of tokens 2t, 2t+1, 2t+8, 2t+9; scales as fp16 pairs of
-          // tokens (2t, 2t+1) and (2t+8, 2t+9).
-          uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
-          uint32_t scale_bytes[4];
-    #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int row = v_row_token[j];
-            read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
-            scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
-                                   g * S::kThreadDims / kGroupElems];
-          }
-          const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
-                                          e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
-          // Pair-index words of tokens (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
-          using P = CodePairs<BITS>;
-          constexpr int kChunks = (S::kThreadDims + P::kCodesPerChunk - 1) / P::kCodesPerChunk;
-          uint32_t pairs[2][kChunks][2];
-    #pragma unroll
-          for (int pair = 0; pair < 2; ++pair) {
-    #pragma unroll
-            for (int c = 0; c < kChunks; ++c)
-              pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
-          }
-          const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
-    #pragma unroll
-          for (int i = 0; i < S::kMTiles; ++i) {
-            uint32_t a_frag[4];
-    #pragma unroll
-            for (int r = 0; r < 4; ++r) {  // (d 2i, tokens 2t..), (d 2i+1, ..), (d 2i, 2t+8..), (d 2i+1, ..)
-              const int e = 2 * i + (r & 1);
-              const int pair = r >> 1;
-              const int local = e % P::kCodesPerChunk;
-              const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2);
-              const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
-              const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
-              a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
-            }
-            mma_16x8x16(acc[i], a_frag, pb0, pb1);
-          }
-        }
-      }
-      // The copies still in flight are of tiles past the end: drain them before the ring is reused.
-      copy_async_wait<0>();
-      __syncthreads();
-
-      // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
-    #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-    #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
-      }
-      if (slice == 0 && g == 0) {
-    #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          max_s[stream][2 * t + c] = run_max[c];
-          denom_s[stream][2 * t + c] = run_denom[c];
-        }
-      }
-    #pragma unroll
-      for (int i = 0; i < S::kMTiles; ++i) {
-        const int d = thread_d0 + 2 * i;
-        o_s[stream][2 * t][d] = acc[i][0];
-        o_s[stream][2 * t + 1][d] = acc[i][1];
-        o_s[stream][2 * t][d + 1] = acc[i][2];
-        o_s[stream][2 * t + 1][d + 1] = acc[i][3];
-      }
-      __syncthreads();
-
-      // Merge the streams (fixed order) and write the output or this split's partial.
-      for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
-        const int h = i / HEAD_DIM;
-        const int d = i % HEAD_DIM;
-        float m = -INFINITY;
-    #pragma unroll
-        for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
-        float o = 0.0f, l = 0.0f;
-    #pragma unroll
-        for (int st = 0; st < S::kStreams; ++st) {
-          // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
-          const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
-          o += w * o_s[st][h][d];
-          l += w * denom_s[st][h];
-        }
-        const uint32_t token = column_token(h);
-        const uint32_t head = column_head(h);
-        if (plan.num_splits == 1) {
-          const float out = normalize(o, l, m, sink_log2(a, head));
-          const uint64_t row = uint64_t(row0 + token) * a.num_q_heads + head;
-          a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(out));
-        } else {
-          const uint64_t row = (uint64_t(seq) * a.max_q_len + token) * a.num_q_heads + head;
-          float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
-          part[d] = o;
-          if (d == 0) {
-            part[HEAD_DIM] = m;
-            part[HEAD_DIM + 1] = l;
-          }
-        }
+      // Scales: 4 or 8 bytes per row, in 4-byte copies.
+      constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
+      if (lane < kTileTokens * kScaleRowCopies) {
+        const int row = lane / kScaleRowCopies;
+        const int part = lane % kScaleRowCopies;
+        const bool valid = valid_row(row);
+        const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
+        copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
+                      valid ? src : a.v_cache, valid);
       }
     };
-    if (pages_masked)
-      decode_tiles(std::true_type{}, std::bool_constant<kMultiToken>{});
-    else if constexpr (kMultiToken) {
-      if (columns_masked)
-        decode_tiles(std::false_type{}, std::true_type{});
+
+    auto copy_tile_any = [&](int k) {
+      if (tile_in_one_page)
+        copy_tile(k, std::true_type{});
       else
-        decode_tiles(std::false_type{}, std::false_type{});
-    } else {
-      decode_tiles(std::false_type{}, std::false_type{});
+        copy_tile(k, std::false_type{});
+    };
+
+    // The attended ranges of this thread's columns 2t and 2t+1, where they differ from the CTA's.
+    int column_begin[2] = {0, 0}, column_stop[2] = {0, 0};
+    if constexpr (kMaskColumns) {
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        column_stop[c] = column_end(2 * t + c);
+        column_begin[c] = window_start(column_stop[c]);
+      }
+    }
+    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
+    float run_max[2] = {-INFINITY, -INFINITY};
+    float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
+    float acc[S::kMTiles][4];
+  #pragma unroll
+    for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    // Prologue: the page ids of the first kDecodeStages - 1 tiles, then those tiles, each copy group
+    // also fetching the page ids that the copy kDecodeStages - 1 tiles later will need.
+    for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
+    copy_async_commit();
+    copy_async_wait<0>();
+    __syncwarp();
+    for (int k = 0; k < kDecodeStages - 1; ++k) {
+      __syncwarp();  // every lane has read page slot k - 1 before it is refilled
+      if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1);
+      if (k < num_tiles) copy_tile_any(k);
+      copy_async_commit();
+    }
+
+    const int k_row_token[2] = {g, g + 8};
+    const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+    int parity = 0;
+    for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
+      // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
+      // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
+      copy_async_wait<kDecodeStages - 2>();
+      __syncwarp();
+      if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
+      if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
+      copy_async_commit();
+
+      const int tile = first_tile + k * tile_step;
+      const uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
+      // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
+      uint4 k_bytes[2][S::kKChunks];
+  #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = k_row_token[half];
+  #pragma unroll
+        for (int c = 0; c < S::kKChunks; ++c)
+          k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, t + 4 * c));
+      }
+      // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
+      float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  #pragma unroll
+      for (int j = 0; j < S::kKSteps; ++j) {
+        const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
+        const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
+        const uint32_t a_frag[4] = {e4m3x2_to_half2_bits(k_lo & 0xFFFF), e4m3x2_to_half2_bits(k_hi & 0xFFFF),
+                                    e4m3x2_to_half2_bits(k_lo >> 16), e4m3x2_to_half2_bits(k_hi >> 16)};
+        const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
+        mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
+      }
+      float s[4];
+  #pragma unroll
+      for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
+      if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
+        score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
+        __syncthreads();
+        float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  #pragma unroll
+        for (int w = 0; w < S::kSlices; ++w) {
+          const float4 p = score_s[parity][stream * S::kSlices + w][lane];
+          total.x += p.x; total.y += p.y; total.z += p.z; total.w += p.w;
+        }
+        s[0] = total.x; s[1] = total.y; s[2] = total.z; s[3] = total.w;
+      }
+
+      // Online softmax per head column; masked tokens get weight 0. A NaN score is not a maximum
+      // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
+      bool row_valid[2] = {in_range(tile + g), in_range(tile + g + 8)};
+      if (kMaskPages) {  // rows of out-of-range pages take no part (copied as zeros)
+        const uint32_t masked = masked_rows_s[warp][k % kDecodeStages];
+        row_valid[0] = row_valid[0] && !((masked >> g) & 1);
+        row_valid[1] = row_valid[1] && !((masked >> (g + 8)) & 1);
+      }
+      if (a.soft_cap > 0.0f) {  // a branch the whole CTA takes or not
+  #pragma unroll
+        for (int r = 0; r < 4; ++r) s[r] = cap_log2 * soft_cap_tanh(s[r] * score_per_cap);
+      } else {
+  #pragma unroll
+        for (int r = 0; r < 4; ++r) s[r] *= score_to_log2;
+      }
+      float p[4];
+      float alpha[2];
+      bool all_small = true;
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        bool valid[2] = {row_valid[0], row_valid[1]};
+        if constexpr (kMaskColumns) {
+  #pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int pos = tile + k_row_token[half];
+            valid[half] = valid[half] && pos >= column_begin[c] && pos < column_stop[c];
+          }
+        }
+        const float s0 = valid[0] ? s[c] : -INFINITY;
+        const float s1 = valid[1] ? s[2 + c] : -INFINITY;
+        float tile_max = fmaxf(s0, s1);
+  #pragma unroll
+        for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+        const float new_max = fmaxf(run_max[c], tile_max);
+        alpha[c] = new_max == -INFINITY ? 1.0f : exp2f(run_max[c] - new_max);
+        p[c] = s0 == -INFINITY ? 0.0f : exp2f(s0 - new_max);
+        p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
+        run_max[c] = new_max;
+        // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
+        if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
+      }
+      const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
+      const uint32_t p_hi = half2_bits(p[2], p[3]);  // token g+8
+      {
+        const __half2 lo = *reinterpret_cast<const __half2*>(&p_lo);
+        const __half2 hi = *reinterpret_cast<const __half2*>(&p_hi);
+        // The denominator sums the same fp16-rounded weights that multiply V.
+        run_denom[0] = run_denom[0] * alpha[0] + __low2float(lo) + __low2float(hi);
+        run_denom[1] = run_denom[1] * alpha[1] + __high2float(lo) + __high2float(hi);
+      }
+      // Once the maxima settle, alpha is exactly 1: skip the rescale when no lane needs it.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+  #pragma unroll
+        for (int i = 0; i < S::kMTiles; ++i) {
+          acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+        }
+      }
+      const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
+      if (!skip) {
+        // P^T as the B operand: tokens (2t, 2t+1) and (2t+8, 2t+9) of head g.
+        const uint32_t pb0 = transpose_8x8(p_lo);
+        const uint32_t pb1 = transpose_8x8(p_hi);
+        // This thread's codes and scales of tokens 2t, 2t+1, 2t+8, 2t+9; scales as fp16 pairs of
+        // tokens (2t, 2t+1) and (2t+8, 2t+9).
+        uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
+        uint32_t scale_bytes[4];
+  #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = v_row_token[j];
+          read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
+          scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
+                                 g * S::kThreadDims / kGroupElems];
+        }
+        const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
+                                        e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
+        // Pair-index words of tokens (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
+        using P = CodePairs<BITS>;
+        constexpr int kChunks = (S::kThreadDims + P::kCodesPerChunk - 1) / P::kCodesPerChunk;
+        uint32_t pairs[2][kChunks][2];
+  #pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+  #pragma unroll
+          for (int c = 0; c < kChunks; ++c)
+            pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
+        }
+        const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
+  #pragma unroll
+        for (int i = 0; i < S::kMTiles; ++i) {
+          uint32_t a_frag[4];
+  #pragma unroll
+          for (int r = 0; r < 4; ++r) {  // (d 2i, tokens 2t..), (d 2i+1, ..), (d 2i, 2t+8..), (d 2i+1, ..)
+            const int e = 2 * i + (r & 1);
+            const int pair = r >> 1;
+            const int local = e % P::kCodesPerChunk;
+            const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2);
+            const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
+            const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
+            a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
+          }
+          mma_16x8x16(acc[i], a_frag, pb0, pb1);
+        }
+      }
+    }
+    // The copies still in flight are of tiles past the end: drain them before the ring is reused.
+    copy_async_wait<0>();
+    __syncthreads();
+
+    // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
+  #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+  #pragma unroll
+      for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
+    }
+    if (slice == 0 && g == 0) {
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        max_s[stream][2 * t + c] = run_max[c];
+        denom_s[stream][2 * t + c] = run_denom[c];
+      }
+    }
+  #pragma unroll
+    for (int i = 0; i < S::kMTiles; ++i) {
+      const int d = thread_d0 + 2 * i;
+      o_s[stream][2 * t][d] = acc[i][0];
+      o_s[stream][2 * t + 1][d] = acc[i][1];
+      o_s[stream][2 * t][d + 1] = acc[i][2];
+      o_s[stream][2 * t + 1][d + 1] = acc[i][3];
+    }
+    __syncthreads();
+
+    // Merge the streams (fixed order) and write the output or this split's partial.
+    for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
+      const int h = i / HEAD_DIM;
+      const int d = i % HEAD_DIM;
+      float m = -INFINITY;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
+      float o = 0.0f, l = 0.0f;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) {
+        // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+        const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+        o += w * o_s[st][h][d];
+        l += w * denom_s[st][h];
+      }
+      const uint32_t token = column_token(h);
+      const uint32_t head = column_head(h);
+      if (plan.num_splits == 1) {
+        const float out = normalize(o, l, m, sink_log2(a, head));
+        const uint64_t row = uint64_t(row0 + token) * a.num_q_heads + head;
+        a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(out));
+      } else {
+        const uint64_t row = (uint64_t(seq) * (MULTI_TOKEN ? a.max_q_len : 1u) + token) * a.num_q_heads + head;
+        float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
+        part[d] = o;
+        if (d == 0) {
+          part[HEAD_DIM] = m;
+          part[HEAD_DIM + 1] = l;
+        }
+      }
     }
   };
-  // One query token per sequence (no query_start) has an instance of its own, in which none of
-  // the multi-token indexing exists: its prologue and epilogue are those of the one-token kernel.
-  if (a.query_start != nullptr)
-    decode_sequence(std::true_type{});
+  if (pages_masked)
+    decode_tiles(std::true_type{}, std::bool_constant<MULTI_TOKEN>{});
+  else if (columns_masked)  // never with one token
+    decode_tiles(std::false_type{}, std::bool_constant<MULTI_TOKEN>{});
   else
-    decode_sequence(std::false_type{});
+    decode_tiles(std::false_type{}, std::false_type{});
 }
 
 // Block-wide reductions of the merge kernel (THREADS a multiple of 32, <= 1024); every thread gets
@@ -856,21 +845,23 @@ __device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
 
 // Combines the splits' partials of one (sequence, query token, query head): the splits' weights
 // are computed once, in parallel, then every thread sums its element over the splits with several
-// loads in flight.
-template <int HEAD_DIM>
+// loads in flight. MULTI_TOKEN as for the decode kernel: one-token decodes get an instance without
+// the multi-token indexing.
+template <int HEAD_DIM, bool MULTI_TOKEN>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];
   __shared__ float scratch[HEAD_DIM / 32];
   const uint32_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head (< 2^31)
-  const uint32_t head = row % a.num_q_heads;
-  uint32_t out_row = row / a.num_q_heads;  // one token per sequence: the sequence
-  if (a.query_start != nullptr) {
-    const uint32_t token = out_row % a.max_q_len;
+  // The output's (query row, head) index: row itself with one token per sequence.
+  uint64_t out_row = row;
+  if constexpr (MULTI_TOKEN) {
+    const uint32_t seq_token = row / a.num_q_heads;
+    const uint32_t token = seq_token % a.max_q_len;
     uint32_t row0;
     int q_len;
-    if (!sequence_query_rows(a, out_row / a.max_q_len, row0, q_len) || int(token) >= q_len)
+    if (!sequence_query_rows(a, seq_token / a.max_q_len, row0, q_len) || int(token) >= q_len)
       return;  // no partials: the decode kernel skipped the sequence, or it has fewer tokens
-    out_row = row0 + token;
+    out_row = uint64_t(row0 + token) * a.num_q_heads + row % a.num_q_heads;
   }
   const int tid = threadIdx.x;
   const int num_splits = int(plan.num_splits);
@@ -889,16 +880,23 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   float o = 0.0f;
 #pragma unroll 8
   for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
-  const float out = normalize(o, l, m, sink_log2(a, head));
-  a.output[(uint64_t(out_row) * a.num_q_heads + head) * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
+  const float out = normalize(o, l, m, sink_log2(a, row % a.num_q_heads));
+  a.output[out_row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
+}
+
+// The decode kernel instance for a pool layout (code copy width) and query token count.
+template <int BITS, int HEAD_DIM, bool MULTI_TOKEN>
+const void* decode_kernel_for(const DecodeArgs& args) {
+  constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
+  return args.v_code_copy_bytes >= kWideCopy
+             ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, MULTI_TOKEN>)
+             : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, MULTI_TOKEN>);
 }
 
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, cudaStream_t stream) {
-  constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
-  const void* kernel = args.v_code_copy_bytes >= kWideCopy
-                           ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy>)
-                           : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4>);
+  const void* kernel = args.query_start != nullptr ? decode_kernel_for<BITS, HEAD_DIM, true>(args)
+                                                   : decode_kernel_for<BITS, HEAD_DIM, false>(args);
   constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
   // Set on every launch: the attribute belongs to the current device's copy of the kernel. It is
   // not a stream operation, so launches stay capturable.
@@ -910,8 +908,10 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   void* params[] = {&kernel_args, &kernel_plan};
   err = cudaLaunchKernel(kernel, grid, dim3(kDecodeThreads), params, kSmemBytes, stream);
   if (err != cudaSuccess || plan.num_splits == 1) return err;
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM>),
-                          dim3(args.num_seqs * args.max_q_len * args.num_q_heads), dim3(HEAD_DIM), params, 0, stream);
+  const void* merge = args.query_start != nullptr ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true>)
+                                                  : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false>);
+  return cudaLaunchKernel(merge, dim3(args.num_seqs * args.max_q_len * args.num_q_heads), dim3(HEAD_DIM), params, 0,
+                          stream);
 }
 
 template <int BITS, int HEAD_DIM>
@@ -921,7 +921,8 @@ cudaError_t decode_ctas_per_sm(int device, int* count) {
   if (device >= 0 && device < kDecodeMaxCachedDevices && (*count = cached[device].load(std::memory_order_relaxed)) > 0)
     return cudaSuccess;
   constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
-  const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy>);
+  // The one-token kernel's: all instances share the launch bounds and shared memory size.
+  const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false>);
   constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kDecodeThreads, kSmemBytes);
