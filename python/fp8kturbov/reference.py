@@ -343,6 +343,33 @@ def unrotate(y: ArrayLike, head_dim: int) -> NDArray[np.float64]:
     return ((y * s2) @ hadamard(head_dim)) / np.sqrt(head_dim) * s1
 
 
+def _fwht_f32(x: NDArray[np.float32]) -> NDArray[np.float32]:
+    """Unnormalised Walsh–Hadamard transform over the last axis in float32: stages over the index bits
+    0, 1, …, log2(n) − 1 in that order, each mapping the pair ``(i, i + 2^k)`` (bit k of i clear) to
+    ``(a + b, a − b)``, every sum rounded to float32."""
+    n = x.shape[-1]
+    y = x.astype(np.float32).copy()
+    half = 1
+    while half < n:
+        pairs = y.reshape(*y.shape[:-1], n // (2 * half), 2, half)
+        a, b = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+        pairs[..., 0, :] = a + b
+        pairs[..., 1, :] = a - b
+        half *= 2
+    return y
+
+
+def rotate_f32(x: ArrayLike, head_dim: int) -> NDArray[np.float32]:
+    """`rotate` in the float32 arithmetic of the fused write (``rotation`` of the write params), bit
+    for bit: ``x`` as float32 times S1 (exact), `_fwht_f32`, times ``float32(1/√D)``, times S2 (exact).
+    Differs from `rotate` by float32 rounding only."""
+    s1, s2 = rotation_signs(head_dim)
+    x = np.asarray(x).astype(np.float32)
+    if x.shape[-1] != head_dim:
+        raise ValueError(f"last axis must be head_dim = {head_dim}, got {x.shape[-1]}")
+    return _fwht_f32(x * s1.astype(np.float32)) * np.float32(1.0 / np.sqrt(head_dim)) * s2.astype(np.float32)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Cache write (FORMAT.md §4), its inverse, and paged decode attention (FORMAT.md §5)
 # ---------------------------------------------------------------------------------------------------
@@ -367,9 +394,11 @@ def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_
                 slot_mapping: ArrayLike, num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
                 key_stride: int, value_stride: int, k_scale: float, k_block_stride_bytes: int,
                 v_block_stride_bytes: int, v_data_section_bytes: int, bits: int,
-                encoder: str = "matched_norm") -> None:
+                encoder: str = "matched_norm", rotation: bool = False) -> None:
     """``reshape_and_cache``: write ``num_tokens`` token rows into the K and V pools, FORMAT.md §4.
-    ``encoder``: the V encoder of `encode_v` (the kernels' ``v_encoder``).
+    ``encoder``: the V encoder of `encode_v` (the kernels' ``v_encoder``). ``rotation``: each V head is
+    rotated first (FORMAT.md §6) in the fused write's float32 arithmetic, `rotate_f32`, and the rotated
+    values are encoded as they are (no bfloat16 rounding in between).
 
     ``key``/``value``: float32 or bfloat16 arrays read as flat element arrays; token ``t``'s row is
     ``flat[t·key_stride : t·key_stride + n]`` (strides in elements). ``k_cache``/``v_cache``: flat uint8
@@ -397,7 +426,10 @@ def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_
         k_start = page * k_block_stride_bytes + offset * n
         k_cache[k_start:k_start + n] = encode_k(key_flat[t * key_stride:t * key_stride + n], k_scale)
 
-        data, scales = encode_v(value_flat[t * value_stride:t * value_stride + n], bits, encoder)
+        v_row = value_flat[t * value_stride:t * value_stride + n]
+        if rotation:
+            v_row = rotate_f32(v_row.reshape(num_kv_heads, head_dim), head_dim).reshape(-1)
+        data, scales = encode_v(v_row, bits, encoder)
         page_start = page * v_block_stride_bytes
         data_start = page_start + offset * row_data_bytes
         scale_start = page_start + v_data_section_bytes + offset * row_scale_bytes
@@ -458,7 +490,8 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
                  q_stride: int, v_block_stride_bytes: int, v_data_section_bytes: int, sliding_window: int,
                  bits: int, k_block_stride_bytes: int | None = None,
                  sparse_v_threshold: float = 0.0, *, query_start: ArrayLike | None = None,
-                 sinks: ArrayLike | None = None, soft_cap: float = 0.0) -> NDArray[np.float64]:
+                 sinks: ArrayLike | None = None, soft_cap: float = 0.0,
+                 rotation: bool = False) -> NDArray[np.float64]:
     """Paged decode attention over the cache, FORMAT.md §5, in float64. Returns ``[R, num_q_heads, D]``:
     R = ``num_seqs`` query rows, or ``query_start[-1]`` with ``query_start``.
 
@@ -481,6 +514,8 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
     - ``soft_cap`` (> 0): logit soft-capping, ``score_p ← cap · tanh(score_p / cap)``.
     - ``sinks``: float ``[num_q_heads]``, one learned logit per query head that joins the softmax
       denominator only: ``out = Σ_p e^(score_p − m)·v_p / (Σ_p e^(score_p − m) + e^(sink_h − m))``.
+    - ``rotation``: V was written rotated (`write_cache` ``rotation``); each output head is rotated
+      back, `unrotate` (attention is linear in V, FORMAT.md §6).
 
     Sparse V (``sparse_v_threshold`` τ > 0): positions are visited in order, ``m`` is the maximum score
     seen so far including ``p``; the V row of ``p`` is skipped when ``exp(score_p − m) ≤ τ`` but ``p``
@@ -535,7 +570,7 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
                     running_max = np.maximum.accumulate(scores)
                     keep = np.exp(scores - running_max) > sparse_v_threshold
                 out[row, h] = (weights[keep] @ v[start:end][keep, kv_head, :]) / denominator
-    return out
+    return unrotate(out, head_dim) if rotation else out
 
 
 def _query_starts(query_start: ArrayLike | None, seq_lens: ArrayLike, num_seqs: int) -> NDArray[np.int64]:
