@@ -350,12 +350,13 @@ def _fwht_f32(x: NDArray[np.float32]) -> NDArray[np.float32]:
     n = x.shape[-1]
     y = x.astype(np.float32).copy()
     half = 1
-    while half < n:
-        pairs = y.reshape(*y.shape[:-1], n // (2 * half), 2, half)
-        a, b = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
-        pairs[..., 0, :] = a + b
-        pairs[..., 1, :] = a - b
-        half *= 2
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf − Inf is NaN, as on the GPU
+        while half < n:
+            pairs = y.reshape(*y.shape[:-1], n // (2 * half), 2, half)
+            a, b = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+            pairs[..., 0, :] = a + b
+            pairs[..., 1, :] = a - b
+            half *= 2
     return y
 
 
