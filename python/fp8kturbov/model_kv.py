@@ -209,17 +209,21 @@ def rope(x: NDArray[np.float32], base: float) -> NDArray[np.float32]:
     return out
 
 
-def causal_attention(q: NDArray[np.float32], k: NDArray[np.float32], v: NDArray[np.float32]) -> NDArray[np.float32]:
-    """Causal softmax attention with GQA: ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` → ``[T, Hq, D]``."""
-    tokens, num_q_heads, head_dim = q.shape
-    group = num_q_heads // k.shape[1]
-    k_per_q = np.repeat(k, group, axis=1)
-    v_per_q = np.repeat(v, group, axis=1)
-    scores = np.einsum("thd,shd->hts", q, k_per_q) / np.float32(np.sqrt(head_dim))
-    scores = np.where(np.tril(np.ones((tokens, tokens), dtype=bool)), scores, -np.inf)
+def attention(q: NDArray[np.floating], k: NDArray[np.floating], v: NDArray[np.floating],
+              causal: bool = False) -> NDArray[np.floating]:
+    """Softmax attention, scale 1/√D, in the inputs' precision: ``q [Q, Hq, D]``, ``k``/``v [L, Hkv, D]``
+    → ``[Q, Hq, D]``, query head ``h`` reading KV head ``h // (Hq / Hkv)`` (GQA). ``causal``: query ``i``
+    attends positions ``<= i`` (``Q == L``); otherwise every query attends every position. (The model's
+    forward pass runs it in float32, the quality report in float64.)"""
+    group = q.shape[1] // k.shape[1]
+    k_per_q, v_per_q = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("qhd,lhd->qhl", q, k_per_q) / q.dtype.type(np.sqrt(q.shape[-1]))
+    if causal:
+        visible = np.tril(np.ones((q.shape[0], k.shape[0]), dtype=bool))[:, None, :]
+        scores = np.where(visible, scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("hts,shd->thd", weights, v_per_q).astype(np.float32)
+    return np.einsum("qhl,lhd->qhd", weights, v_per_q)
 
 
 def forward(weights: LlamaWeights, token_ids: Sequence[int]) -> tuple[ModelKV, NDArray[np.float32]]:
@@ -234,7 +238,7 @@ def forward(weights: LlamaWeights, token_ids: Sequence[int]) -> tuple[ModelKV, N
         k = rope((h @ layer["attn_k"].T).reshape(tokens, w.num_kv_heads, head_dim), w.rope_base)
         v = (h @ layer["attn_v"].T).reshape(tokens, w.num_kv_heads, head_dim)
         ks.append(k), vs.append(v), qs.append(q)
-        x = x + causal_attention(q, k, v).reshape(tokens, -1) @ layer["attn_output"].T
+        x = x + attention(q, k, v, causal=True).reshape(tokens, -1) @ layer["attn_output"].T
         h = rms_norm(x, layer["ffn_norm"], w.norm_eps)
         gate = h @ layer["ffn_gate"].T
         x = x + (gate / (1.0 + np.exp(-gate)) * (h @ layer["ffn_up"].T)) @ layer["ffn_down"].T

@@ -33,6 +33,7 @@ from numpy.typing import NDArray
 
 from . import model_kv
 from . import reference as R
+from .model_kv import attention
 
 DISTRIBUTIONS = ("gaussian", "student_t4", "outliers")
 """Synthetic V distributions (K and the queries are always standard Gaussian)."""
@@ -95,28 +96,13 @@ def make_v(distribution: str, gen: np.random.Generator, tokens: int, num_kv_head
 @dataclasses.dataclass(frozen=True)
 class AttentionData:
     """One layer's attention inputs: ``k``, ``v [L, Hkv, D]`` (float32, what the cache holds) and
-    ``q [Q, Hq, D]`` (float64; query head ``h`` reads KV head ``h // (Hq / Hkv)``). ``causal``:
-    query ``i`` attends positions ``<= i`` (``Q == L``); otherwise every query attends every position."""
+    ``q [Q, Hq, D]`` (float64), as `model_kv.attention` takes them (GQA; ``causal``: query ``i``
+    attends positions ``<= i``)."""
 
     k: NDArray[np.float32]
     v: NDArray[np.float32]
     q: NDArray[np.float64]
     causal: bool = False
-
-
-def attention(q: NDArray[np.float64], k: NDArray[np.float64], v: NDArray[np.float64],
-              causal: bool = False) -> NDArray[np.float64]:
-    """Float64 softmax attention, scale 1/√D: ``q [Q, Hq, D]``, ``k``/``v [L, Hkv, D]`` → ``[Q, Hq, D]``
-    (GQA: ``Hq`` a multiple of ``Hkv``); `AttentionData` says what ``causal`` means."""
-    group = q.shape[1] // k.shape[1]
-    k_per_q, v_per_q = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    scores = np.einsum("qhd,lhd->qhl", q, k_per_q) / np.sqrt(q.shape[-1])
-    if causal:
-        visible = np.tril(np.ones((q.shape[0], k.shape[0]), dtype=bool))[:, None, :]
-        scores = np.where(visible, scores, -np.inf)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("qhl,lhd->qhd", weights, v_per_q)
 
 
 def fp8_per_tensor(x: NDArray[np.float32]) -> NDArray[np.float32]:
