@@ -237,7 +237,9 @@ def forward(weights: LlamaWeights, token_ids: Sequence[int]) -> tuple[ModelKV, N
         q = rope((h @ layer["attn_q"].T).reshape(tokens, w.num_q_heads, head_dim), w.rope_base)
         k = rope((h @ layer["attn_k"].T).reshape(tokens, w.num_kv_heads, head_dim), w.rope_base)
         v = (h @ layer["attn_v"].T).reshape(tokens, w.num_kv_heads, head_dim)
-        ks.append(k), vs.append(v), qs.append(q)
+        ks.append(k)
+        vs.append(v)
+        qs.append(q)
         x = x + attention(q, k, v, causal=True).reshape(tokens, -1) @ layer["attn_output"].T
         h = rms_norm(x, layer["ffn_norm"], w.norm_eps)
         gate = h @ layer["ffn_gate"].T
