@@ -222,9 +222,10 @@ def test_struct_mirror_matches_c_layout(tag, c_struct_layout):
 
 
 # The fields each version after the first appended, in header order (version 1 = library 0.1).
-ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_encoder"]],
+ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_encoder", "v_rotation"]],
                 "fp8kturbov_decode_params": [["num_blocks", "error_flags"],
-                                             ["sinks", "soft_cap", "query_start", "max_q_len", "num_query_rows"]],
+                                             ["sinks", "soft_cap", "query_start", "max_q_len", "num_query_rows",
+                                              "v_rotation"]],
                 "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]]}
 
 

@@ -320,7 +320,8 @@ def test_write_passes_pointers_element_strides_and_the_layout(make, launches):
     assert kw == dict(key=args["key"].ptr, value=args["value"].ptr, k_cache=cache.k_ptr,
                       v_cache=cache.v_ptr, slot_mapping=args["slot_mapping"].ptr, num_tokens=T,
                       key_stride=N + 40, value_stride=N, k_scale=K_SCALE, stream=kw["stream"],
-                      v_encoder=fp8kturbov.VEncoder.MATCHED_NORM, **LAYOUT_ARGS, **UNCHECKED_ARGS)
+                      v_encoder=fp8kturbov.VEncoder.MATCHED_NORM, v_rotation=fp8kturbov.VRotation.NONE,
+                      **LAYOUT_ARGS, **UNCHECKED_ARGS)
     assert ("device", (0,), {}) in launches
 
 
@@ -337,6 +338,32 @@ def test_write_refuses_an_unknown_v_encoder(make, launches, given):
     with pytest.raises(fp8kturbov.ArgumentError, match="v_encoder"):
         fp8kturbov.write_kv(cache=make_cache(), v_encoder=given, **write_args(make))
     assert not any(name == "reshape_and_cache" for name, *_ in launches)
+
+
+ROTATABLE = CacheLayout(num_blocks=8, block_size=16, num_kv_heads=2, head_dim=128, v_bits=3)
+
+
+@pytest.mark.parametrize("given", ["hadamard", fp8kturbov.VRotation.HADAMARD])
+def test_a_rotated_cache_is_written_and_decoded_rotated(make, launches, given):
+    cache = KVCache.wrap(FakeCAI((ROTATABLE.k_pool_bytes,), "uint8"), FakeCAI((ROTATABLE.v_pool_bytes,), "uint8"),
+                         ROTATABLE, K_SCALE, v_rotation=given)
+    assert cache.v_rotation is fp8kturbov.VRotation.HADAMARD
+    rows = 4
+    fp8kturbov.write_kv(make((rows, 256), "bfloat16"), make((rows, 256), "bfloat16"), cache,
+                        make((rows,), "int64"))
+    fp8kturbov.paged_decode(make((1, 4, 128), "bfloat16"), cache, make((1, 2), "int32"), make((1,), "int32"),
+                            out=make((1, 4, 128), "bfloat16"))
+    assert launched(launches, "reshape_and_cache")["v_rotation"] is fp8kturbov.VRotation.HADAMARD
+    assert launched(launches, "paged_decode_attn")["v_rotation"] is fp8kturbov.VRotation.HADAMARD
+
+
+@pytest.mark.parametrize("given, layout, match", [("HADAMARD", ROTATABLE, "VRotation or one of"),
+                                                  (1, ROTATABLE, "VRotation or one of"),
+                                                  ("hadamard", LAYOUT, "head_dim 64")])
+def test_a_cache_refuses_a_rotation_it_cannot_have(given, layout, match):
+    pools = FakeCAI((layout.k_pool_bytes,), "uint8"), FakeCAI((layout.v_pool_bytes,), "uint8")
+    with pytest.raises(fp8kturbov.ArgumentError, match=match):
+        KVCache.wrap(*pools, layout, K_SCALE, v_rotation=given)
 
 
 def test_write_k_scale_override_and_single_row_stride(launches):
@@ -362,7 +389,8 @@ def test_decode_passes_shapes_strides_defaults_and_returns_out(make, launches):
                       num_q_heads=HQ, inv_sqrt_d=D ** -0.5, k_scale=K_SCALE, q_stride=HQ * D + 8, sliding_window=7,
                       sparse_v_threshold=1e-3, workspace=workspace.ptr, workspace_bytes=4000,
                       sinks=0, soft_cap=0.0, query_start=0, max_q_len=0, num_query_rows=0,
-                      stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+                      v_rotation=fp8kturbov.VRotation.NONE, stream=kw["stream"], **LAYOUT_ARGS,
+                      **UNCHECKED_ARGS)
 
 
 def test_decode_passes_query_start_and_takes_num_seqs_from_the_block_tables(make, launches):

@@ -103,7 +103,7 @@ V1_SIZES = {op: sizes[0] for op, sizes in OLD_SIZES.items()}
 # How the library reads a version-1 struct's tail (unchecked, the default V encoder, no sinks, no
 # soft-capping, one query row per sequence).
 UNCHECKED = {"num_blocks": 0, "error_flags": 0, "v_encoder": 0, "sinks": 0, "soft_cap": 0.0,
-             "query_start": 0, "max_q_len": 0, "num_query_rows": 0}
+             "query_start": 0, "max_q_len": 0, "num_query_rows": 0, "v_rotation": 0}
 FIXED_PARAMS = {"write": _fixed_launcher_params("FP8KTURBOV_DECLARE_WRITE"),
                 "decode": _fixed_launcher_params("FP8KTURBOV_DECLARE_DECODE")}
 assert all(names[-1] == "stream" for names in FIXED_PARAMS.values()), FIXED_PARAMS
@@ -204,6 +204,8 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
     with np.errstate(over="ignore"):
         e.rule(op == "write" and k_scale_ok and not np.isfinite(np.float32(1) / np.float32(k_scale)),
                V, "k_scale = ")
+    e.rule(get("v_rotation") not in (0, 1), V, "v_rotation = ")
+    e.rule(get("v_rotation") == 1 and hd not in (128, 256, 512), V, "v_rotation = 1 (HADAMARD) needs")
     if op == "write":
         e.rule(get("v_encoder") not in (0, 1), V, "v_encoder = ")
         e.rule(row > U32_MAX, V, "num_kv_heads * head_dim = ")
@@ -347,6 +349,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
     if entry.op == "write":
         args.update(num_tokens=draw(work), key_stride=row + draw(st.integers(0, 64)),
                     v_encoder=draw(st.sampled_from([0, 1])),
+                    v_rotation=draw(st.sampled_from([0, 1])) if head_dim in (128, 256, 512) else 0,
                     value_stride=row + draw(st.integers(0, 64)),
                     k_block_stride_bytes=k_page + 16 * draw(st.integers(0, 4)))
     else:
@@ -361,6 +364,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                     sparse_v_threshold=draw(st.floats(0.0, FLT_MAX, width=32)),
                     soft_cap=draw(st.one_of(st.just(0.0), st.floats(0.0, FLT_MAX, width=32))),
                     max_q_len=draw(st.integers(0, 16)), num_query_rows=draw(st.sampled_from(U32_EDGES)),
+                    v_rotation=draw(st.sampled_from([0, 1])) if head_dim in (128, 256, 512) else 0,
                     workspace_bytes=draw(st.sampled_from(U64_EDGES)))
     return {name: args[name] for name in entry.names}
 

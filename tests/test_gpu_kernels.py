@@ -71,9 +71,16 @@ def assert_pools_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 @pytest.mark.parametrize("entry, row_pad", [("fixed", (32, 16)), ("generic", (32, 16)),
-                                            ("generic", (3, 1)), ("mse", (32, 16))],
-                         ids=["fixed", "generic", "odd_row_strides", "mse_encoder"])
+                                            ("generic", (3, 1)), ("mse", (32, 16)),
+                                            ("rotated", (3, 1)), ("rotated_mse", (32, 16))],
+                         ids=["fixed", "generic", "odd_row_strides", "mse_encoder", "rotated",
+                              "rotated_mse"])
 def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entry, row_pad):
+    """Rotated (FORMAT §6): each V head rotated by the threads holding its groups, in the float32
+    arithmetic of reference.rotate_f32; a NaN or Inf spreads over its head, in both."""
+    rotation = entry.startswith("rotated")
+    if rotation and head_dim not in ref.ROTATION_DIMS:
+        pytest.skip("FORMAT §6 defines no rotation for this head_dim")
     num_kv_heads, block_size, num_blocks, num_tokens = 2, 16, 12, 150
     n = num_kv_heads * head_dim
     layout = fp8kturbov.CacheLayout(num_blocks, block_size, num_kv_heads, head_dim, bits)
@@ -85,7 +92,7 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
     key_stride, value_stride = n + row_pad[0], n + row_pad[1]
     key = random_rows(rng, num_tokens, key_stride, n, hostile=True)
     value = random_rows(rng, num_tokens, value_stride, n, hostile=True)
-    encoder = "mse" if entry == "mse" else "matched_norm"
+    encoder = "mse" if entry.endswith("mse") else "matched_norm"
     if encoder == "mse":
         # Groups small enough that subnormal scale bytes win the search, and groups so large that
         # the squared errors of some or all candidate scales overflow float32.
@@ -101,7 +108,7 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
     want_k, want_v = k_pool.copy(), v_pool.copy()
     ref.write_cache(key, value, want_k, want_v, slots, num_tokens, num_kv_heads, head_dim,
                     block_size, key_stride, value_stride, 0.05, k_stride, v_stride, v_data, bits,
-                    encoder=encoder)
+                    encoder=encoder, rotation=rotation)
 
     k_dev, v_dev = device.upload(k_pool), device.upload(v_pool)
     ptrs = [device.upload(key.view(np.uint16)), device.upload(value.view(np.uint16)), k_dev, v_dev,
@@ -116,7 +123,7 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
             block_size=block_size, key_stride=key_stride, value_stride=value_stride, k_scale=0.05,
             v_bits=bits, k_block_stride_bytes=k_stride, v_block_stride_bytes=v_stride,
             v_data_section_bytes=v_data, v_encoder=fp8kturbov.VEncoder[encoder.upper()],
-            stream=device.stream)
+            v_rotation=int(rotation), stream=device.stream)
     assert_pools_equal(device.download(k_dev, k_pool), want_k, "K pool")
     assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
     assert not np.array_equal(want_k, k_pool), "the write changed nothing: the test proves nothing"
@@ -178,8 +185,8 @@ class DecodeCase:
     decode through ``query_start``); None is one query row per sequence without it."""
 
     def __init__(self, rng, bits, head_dim, group_size, window, *, q_gain=1.0, seq_lens=None,
-                 block_size=16, v_pad=16, num_kv_heads=2, q_lens=None):
-        self.bits, self.head_dim, self.window = bits, head_dim, window
+                 block_size=16, v_pad=16, num_kv_heads=2, q_lens=None, rotation=False):
+        self.bits, self.head_dim, self.window, self.rotation = bits, head_dim, window, rotation
         self.num_kv_heads, self.block_size = num_kv_heads, block_size
         self.num_q_heads = self.num_kv_heads * group_size
         self.seq_lens = np.array(seq_lens or [0, 1, 17, 100, 250, 64], dtype=np.int32)
@@ -203,7 +210,7 @@ class DecodeCase:
         values = random_rows(rng, num_slots, n, n, hostile=False)
         ref.write_cache(keys, values, self.k_pool, self.v_pool, np.arange(num_slots), num_slots,
                         self.num_kv_heads, head_dim, self.block_size, n, n, self.k_scale,
-                        self.k_stride, self.v_stride, self.v_data, bits)
+                        self.k_stride, self.v_stride, self.v_data, bits, rotation=rotation)
         self.query_start = None if q_lens is None else np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         self.num_rows = self.num_seqs if q_lens is None else int(self.query_start[-1])
         self.q_stride = self.num_q_heads * head_dim + 8
@@ -217,14 +224,15 @@ class DecodeCase:
             return {}
         return dict(max_q_len=max(int(np.diff(self.query_start).max()), 1), num_query_rows=self.num_rows)
 
-    def reference(self, sparse_v_threshold=0.0, *, sinks=None, soft_cap=0.0):
+    def reference(self, sparse_v_threshold=0.0, *, sinks=None, soft_cap=0.0, rotation=None):
         return ref.paged_decode(
             self.q, self.k_pool, self.v_pool, self.block_tables, self.seq_lens,
             self.max_blocks_per_seq, self.num_seqs, self.num_q_heads, self.num_kv_heads,
             self.head_dim, self.block_size, self.inv_sqrt_d, self.k_scale, self.q_stride,
             self.v_stride, self.v_data, self.window, self.bits,
             k_block_stride_bytes=self.k_stride, sparse_v_threshold=sparse_v_threshold,
-            query_start=self.query_start, sinks=sinks, soft_cap=soft_cap)
+            query_start=self.query_start, sinks=sinks, soft_cap=soft_cap,
+            rotation=self.rotation if rotation is None else rotation)
 
     def run(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
         """The kernel's output; with ``split`` the context is split over CTAs (workspace given,
@@ -252,7 +260,8 @@ class DecodeCase:
             device.upload(self.v_pool), out, device.upload(self.block_tables),
             device.upload(self.seq_lens), workspace=workspace, workspace_bytes=workspace_bytes,
             sinks=0 if sinks is None else device.upload(np.asarray(sinks, dtype=np.float32)),
-            soft_cap=soft_cap, stream=device.stream, **scalars, **multi_token)
+            soft_cap=soft_cap, v_rotation=int(self.rotation), stream=device.stream, **scalars,
+            **multi_token)
         return device.download(out, poison).view(BF16).astype(np.float64)
 
 
@@ -293,6 +302,23 @@ def test_decode_sinks_and_soft_cap_match_reference(device, rng, bits, head_dim, 
     assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
     assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
     assert not np.allclose(want, case.reference(), atol=1e-3), "the options changed nothing: the test proves nothing"
+    err = relative_error_per_head(got, want)
+    assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [128, 256, 512])
+@pytest.mark.parametrize("multi_token", [False, True], ids=["one_token", "multi_token"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_rotated_decode_matches_reference(device, rng, bits, head_dim, multi_token, split):
+    """A cache written rotated (FORMAT §6) and decoded with v_rotation: each output head is rotated
+    back, by the decode's epilogue, or after the merge of the splits."""
+    case = DecodeCase(rng, bits, head_dim, 4, 40, q_lens=MULTI_TOKEN_Q_LENS if multi_token else None,
+                      rotation=True)
+    got = case.run(device, 0.0, split=split)
+    want = case.reference()
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    assert not np.allclose(want, case.reference(rotation=False), atol=1e-3), "the test proves nothing"
     err = relative_error_per_head(got, want)
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 

@@ -116,6 +116,16 @@ typedef enum fp8kturbov_v_encoder {
   FP8KTURBOV_V_ENCODER_MSE = 1
 } fp8kturbov_v_encoder_t;
 
+/* ---- V rotation ------------------------------------------------------------------------------ */
+/* The optional rotation of docs/format.md §6, fused into the write (each V head rotated before it
+ * is quantised, in float32, no bf16 rounding in between) and into the decode (each output head
+ * rotated back). A cache written rotated must be decoded rotated: the pools do not record it.
+ * head_dim 128, 256 or 512 only. Values are append-only. */
+typedef enum fp8kturbov_v_rotation {
+  FP8KTURBOV_V_ROTATION_NONE = 0,     /* the default: V as given */
+  FP8KTURBOV_V_ROTATION_HADAMARD = 1  /* y = S2 * (H/sqrt(D)) * S1 * x per head, §6's signs */
+} fp8kturbov_v_rotation_t;
+
 /* ---- Layout sizes (host only, no CUDA call) -------------------------------------------------- */
 /* Each returns the size in BYTES, or 0 when an argument is invalid (head_dim not a multiple of
  * 16, bits not in {2, 3, 4}, a zero size, a row num_kv_heads*head_dim over 2^32 - 1, which
@@ -161,6 +171,7 @@ typedef struct fp8kturbov_write_params {
   uint64_t num_blocks;   /* checked mode: pages per pool; 0 = unchecked */
   uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
   uint32_t v_encoder;    /* fp8kturbov_v_encoder_t; default matched-norm */
+  uint32_t v_rotation;   /* fp8kturbov_v_rotation_t; default none */
 } fp8kturbov_write_params_t;
 #define FP8KTURBOV_WRITE_PARAMS_V1_SIZE 104
 #define FP8KTURBOV_WRITE_PARAMS_V2_SIZE 120
@@ -256,6 +267,7 @@ typedef struct fp8kturbov_decode_params {
   const int32_t* query_start; /* NULL = one query row per sequence; 4-byte aligned */
   uint32_t max_q_len;         /* 1..16 with query_start */
   uint32_t num_query_rows;    /* rows of q and output with query_start */
+  uint32_t v_rotation;        /* fp8kturbov_v_rotation_t the cache was written with; default none */
 } fp8kturbov_decode_params_t;
 #define FP8KTURBOV_DECODE_PARAMS_V1_SIZE 144
 #define FP8KTURBOV_DECODE_PARAMS_V2_SIZE 160

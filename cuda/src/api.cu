@@ -212,6 +212,18 @@ fp8kturbov_status_t launch_for_bits(const char* entry, uint32_t bits, Launch lau
   }
 }
 
+// The V rotation of a write or a decode: a known value, and FORMAT §6 defines it for this head_dim.
+fp8kturbov_status_t check_v_rotation(const char* entry, uint32_t v_rotation, uint32_t head_dim) {
+  if (v_rotation != FP8KTURBOV_V_ROTATION_NONE && v_rotation != FP8KTURBOV_V_ROTATION_HADAMARD)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "v_rotation = %u is not FP8KTURBOV_V_ROTATION_NONE (0) or _HADAMARD (1)", v_rotation);
+  if (v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD && head_dim != 128 && head_dim != 256 && head_dim != 512)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "v_rotation = 1 (HADAMARD) needs head_dim 128, 256 or 512 (the format's sign tables), "
+                "not head_dim = %u", head_dim);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
 }  // namespace
 
 fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_t& p,
@@ -226,6 +238,7 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   if (p.v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM && p.v_encoder != FP8KTURBOV_V_ENCODER_MSE)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "v_encoder = %u is not FP8KTURBOV_V_ENCODER_MATCHED_NORM (0) or _MSE (1)", p.v_encoder);
+  FP8KTURBOV_CHECK(check_v_rotation(entry, p.v_rotation, p.head_dim));
   if (p.num_tokens == 0) return FP8KTURBOV_STATUS_SUCCESS;
   FP8KTURBOV_REQUIRE_POINTER(key);
   FP8KTURBOV_REQUIRE_POINTER(value);
@@ -253,7 +266,8 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
                        p.v_block_stride_bytes,
                        p.v_data_section_bytes,
                        index_check,
-                       p.v_encoder == FP8KTURBOV_V_ENCODER_MSE};
+                       p.v_encoder == FP8KTURBOV_V_ENCODER_MSE,
+                       p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD ? p.head_dim : 0u};
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_reshape_and_cache<decltype(bits)::value>(args, stream);
   });
@@ -339,6 +353,7 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (p.max_q_len > kDecodeMaxQueryLen)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_q_len = %u exceeds %d", p.max_q_len,
                 kDecodeMaxQueryLen);
+  FP8KTURBOV_CHECK(check_v_rotation(entry, p.v_rotation, p.head_dim));
   // One CTA per (sequence, KV head, chunk of 8 query columns) at least; a grid holds < 2^31.
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
                              decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
@@ -554,7 +569,8 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                         p.soft_cap,
                         p.query_start,
                         p.query_start != nullptr ? query_rows_per_seq(p) : 1u,
-                        p.query_start != nullptr ? p.num_query_rows : p.num_seqs};
+                        p.query_start != nullptr ? p.num_query_rows : p.num_seqs,
+                        p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD};
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)

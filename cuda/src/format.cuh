@@ -310,4 +310,88 @@ struct VPageLayout {
   }
 };
 
+// ---- The optional V rotation (FORMAT §6) -------------------------------------------------------
+
+// The fixed signs: bit i of word i / 64 set <=> sign[i] = -1. S1 and S2 for head_dim 128, 256, 512.
+static __constant__ const uint64_t kRotationSignWords[28] = {
+    0x42F85949E46A0359ull, 0x49F250A9A4C63BBBull,                                              // S1_128
+    0x3F628FDC16ACEE90ull, 0xBEA56562B7A5357Aull,                                              // S2_128
+    0xFE5483E8C028BDDDull, 0x9A94A01800B54509ull, 0xDBBF19A357DE2FF8ull, 0xEBDA40343AFE2DC7ull,  // S1_256
+    0x7682761DE85431D9ull, 0x8A4336C9A7532CC2ull, 0x65C15681E40C84FDull, 0x4B75DB54555AACC1ull,  // S2_256
+    0xFE5483E8C028BDDDull, 0x9A94A01800B54509ull, 0xDBBF19A357DE2FF8ull, 0xEBDA40343AFE2DC7ull,  // S1_512:
+    0x7682761DE85431D9ull, 0x8A4336C9A7532CC2ull, 0x65C15681E40C84FDull, 0x4B75DB54555AACC1ull,  // S1_256, S2_256
+    0x5B0E056556746A09ull, 0x33754D8471316A21ull, 0x491196087363B6E8ull, 0x74E09D969DFA1143ull,  // S2_512
+    0xD49B9E8DFD26399Eull, 0x3E65CA562BF53DB5ull, 0xAD67A2B67F01D99Cull, 0x3A6CBE9800803A7Bull};
+
+template <int HEAD_DIM>
+struct RotationSigns {
+  static_assert(HEAD_DIM == 128 || HEAD_DIM == 256 || HEAD_DIM == 512, "FORMAT §6 defines 128, 256, 512");
+  static constexpr int kS1 = HEAD_DIM == 128 ? 0 : HEAD_DIM == 256 ? 4 : 12;  // word offsets
+  static constexpr int kS2 = kS1 + HEAD_DIM / 64;
+};
+
+// The signs of elements [ELEMS·row_lane, ELEMS·row_lane + ELEMS) of a table at word `offset`.
+template <int ELEMS>
+__device__ __forceinline__ uint32_t rotation_sign_bits(int offset, uint32_t row_lane) {
+  static_assert(64 % ELEMS == 0, "a lane's signs lie in one word");
+  const uint32_t first = ELEMS * row_lane;
+  return uint32_t(kRotationSignWords[offset + first / 64] >> (first % 64)) & ((1u << ELEMS) - 1);
+}
+
+// FORMAT §6 on one head row of HEAD_DIM floats spread over LANES = HEAD_DIM / ELEMS consecutive,
+// aligned lanes of a warp (`mask`), lane row_lane holding elements ELEMS·row_lane + e in x[e]:
+// the signs at `first` (exact), the Walsh-Hadamard butterflies (a, b) -> (a + b, a - b) over the
+// element index bits in increasing order (the lane's own bits, then the lane bits through
+// shuffles), float(1/sqrt(HEAD_DIM)), the signs at `second`. With (S1, S2) this is
+// reference.rotate_f32 bit for bit; with (S2, S1) it is the inverse rotation.
+template <int HEAD_DIM, int ELEMS>
+__device__ __forceinline__ void hadamard_rotate(float (&x)[ELEMS], uint32_t row_lane, uint32_t mask, int first,
+                                                int second) {
+  constexpr int kLanes = HEAD_DIM / ELEMS;
+  static_assert(kLanes >= 1 && kLanes <= 32, "a row spans at most one warp");
+  const uint32_t first_signs = rotation_sign_bits<ELEMS>(first, row_lane);
+#pragma unroll
+  for (int e = 0; e < ELEMS; ++e)
+    if ((first_signs >> e) & 1) x[e] = -x[e];
+#pragma unroll
+  for (int half = 1; half < ELEMS; half *= 2) {
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) {
+      if (i & half) continue;
+      const float a = x[i], b = x[i + half];
+      x[i] = __fadd_rn(a, b);
+      x[i + half] = __fsub_rn(a, b);
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < kLanes; m *= 2) {
+    const bool high = row_lane & m;  // this lane holds the b of its pairs
+#pragma unroll
+    for (int e = 0; e < ELEMS; ++e) {
+      const float other = __shfl_xor_sync(mask, x[e], m);
+      x[e] = high ? __fsub_rn(other, x[e]) : __fadd_rn(x[e], other);
+    }
+  }
+  const float scale = float(1.0 / sqrt(double(HEAD_DIM)));
+  const uint32_t second_signs = rotation_sign_bits<ELEMS>(second, row_lane);
+#pragma unroll
+  for (int e = 0; e < ELEMS; ++e) {
+    x[e] = __fmul_rn(x[e], scale);  // the _rn intrinsics: never contracted into an FMA
+    if ((second_signs >> e) & 1) x[e] = -x[e];
+  }
+}
+
+// The inverse rotation of one row of HEAD_DIM floats in shared memory by a whole warp.
+template <int HEAD_DIM>
+__device__ __forceinline__ void unrotate_row(float* row, uint32_t lane) {
+  constexpr int kElems = HEAD_DIM / 32;
+  using Signs = RotationSigns<HEAD_DIM>;
+  float x[kElems];
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) x[e] = row[kElems * lane + e];
+  hadamard_rotate<HEAD_DIM, kElems>(x, lane, 0xffffffffu, Signs::kS2, Signs::kS1);
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) row[kElems * lane + e] = x[e];
+}
+
 }  // namespace fp8kturbov

@@ -48,6 +48,7 @@ struct WriteArgs {
   uint64_t v_data_section_bytes;
   IndexCheck index_check;
   bool mse_encoder;  // FP8KTURBOV_V_ENCODER_MSE, else matched-norm
+  uint32_t rotation_head_dim;  // FORMAT §6: V heads of this many elements rotated first; 0 = none
 };
 
 // Arguments of one paged decode, after validation.
@@ -79,6 +80,7 @@ struct DecodeArgs {
   const int32_t* query_start;  // [num_seqs + 1] query rows per sequence, or nullptr: row = sequence
   uint32_t max_q_len;          // the largest q_len; 1 without query_start
   uint32_t num_query_rows;     // rows of q and output (checked mode bounds them)
+  bool rotated_v;              // FORMAT §6: the cache holds rotated V; outputs are rotated back
 };
 
 template <int BITS>

@@ -788,14 +788,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
-    // Merge the streams (fixed order) and write the output or this split's partial.
-    for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
-      const int h = i / HEAD_DIM;
-      const int d = i % HEAD_DIM;
-      float m = -INFINITY;
+    // Column h's output element d merged over the streams (fixed order), its maximum m and
+    // denominator l.
+    auto merge_streams = [&](int h, int d, float& m, float& l) {
+      m = -INFINITY;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
-      float o = 0.0f, l = 0.0f;
+      float o = 0.0f;
+      l = 0.0f;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) {
         // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
@@ -803,6 +803,31 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         o += w * o_s[st][h][d];
         l += w * denom_s[st][h];
       }
+      return o;
+    };
+    // Rotated V (FORMAT §6) without splits: the merged rows are rotated back before they are
+    // normalised, in the first stream's rows, a warp per column. (Split partials stay rotated:
+    // the merge kernel rotates their sum back.)
+    const bool rotate_back = a.rotated_v && plan.num_splits == 1;  // CTA-uniform
+    if constexpr (HEAD_DIM >= 128) {
+      if (rotate_back) {
+        for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
+          float m, l;
+          o_s[0][i / HEAD_DIM][i % HEAD_DIM] = merge_streams(i / HEAD_DIM, i % HEAD_DIM, m, l);
+        }
+        __syncthreads();
+        for (int h = warp; h < num_columns; h += kDecodeWarps) unrotate_row<HEAD_DIM>(o_s[0][h], lane);
+        __syncthreads();
+      }
+    }
+
+    // Write the output or this split's partial.
+    for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
+      const int h = i / HEAD_DIM;
+      const int d = i % HEAD_DIM;
+      float m, l;
+      float o = merge_streams(h, d, m, l);
+      if (rotate_back) o = o_s[0][h][d];
       const uint32_t token = column_token(h);
       const uint32_t head = column_head(h);
       if (plan.num_splits == 1) {
@@ -851,6 +876,7 @@ template <int HEAD_DIM, bool MULTI_TOKEN>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];
   __shared__ float scratch[HEAD_DIM / 32];
+  __shared__ float row_s[HEAD_DIM];  // rotated V: the merged row, rotated back by the first warp
   const uint32_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head (< 2^31)
   // The output's (query row, head) index: row itself with one token per sequence.
   uint64_t out_row = row;
@@ -880,6 +906,15 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   float o = 0.0f;
 #pragma unroll 8
   for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
+  if constexpr (HEAD_DIM >= 128) {
+    if (a.rotated_v) {  // FORMAT §6: the partials are of rotated V
+      row_s[tid] = o;
+      __syncthreads();
+      if (tid < 32) unrotate_row<HEAD_DIM>(row_s, tid);
+      __syncthreads();
+      o = row_s[tid];
+    }
+  }
   const float out = normalize(o, l, m, sink_log2(a, row % a.num_q_heads));
   a.output[out_row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
 }

@@ -1,6 +1,8 @@
 // The cache write (FORMAT §4): K rows to FP8 E4M3, V rows to b-bit codes + E4M3 group scales.
 #pragma once
 
+#include <type_traits>
+
 #include "format.cuh"
 #include "kernel_args.h"
 
@@ -66,6 +68,26 @@ __device__ __forceinline__ void token_group_of_thread(uint32_t row_elems, uint64
   group = uint32_t(index % groups_per_row);
 }
 
+// FORMAT §6 on the V head row whose 16-element groups are held by head_dim / 16 consecutive
+// threads (a CTA and a warp start at a head: their group counts are multiples of it), this
+// thread's group in x. The threads of a head share its token, so they are all still running.
+__device__ __forceinline__ void rotate_head(uint32_t head_dim, float (&x)[kGroupElems]) {
+  auto rotate = [&](auto head_dim_tag) {
+    constexpr int kHeadDim = decltype(head_dim_tag)::value;
+    constexpr uint32_t kLanes = kHeadDim / kGroupElems;
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t mask = kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1) << (lane & ~(kLanes - 1));
+    using Signs = RotationSigns<kHeadDim>;
+    hadamard_rotate<kHeadDim, kGroupElems>(x, lane % kLanes, mask, Signs::kS1, Signs::kS2);
+  };
+  if (head_dim == 128)
+    rotate(std::integral_constant<int, 128>{});
+  else if (head_dim == 256)
+    rotate(std::integral_constant<int, 256>{});
+  else
+    rotate(std::integral_constant<int, 512>{});
+}
+
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
 // a thread computes them sequentially, exactly as FORMAT §3.2 orders them. MSE: the V encoder
 // (WriteArgs::mse_encoder), kernels of their own so that the default one stays as it is, with
@@ -102,7 +124,11 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
                    group * kGroupElems;
   if (writes) *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
 
-  // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section.
+  // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section; first,
+  // where asked, the head's rotation (FORMAT §6) across the threads holding its groups.
+  if constexpr (kThreadsPerGroup == 1) {
+    if (a.rotation_head_dim != 0) rotate_head(a.rotation_head_dim, x);
+  }
   EncodedGroup<BITS> enc;
   if constexpr (MSE_LANES > 0)
     enc = encode_v_group_mse<BITS, MSE_LANES>(x, levels_s);
@@ -122,7 +148,8 @@ template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream) {
   if (!args.mse_encoder)
     return launch_per_token_group(reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, 0>), args, stream);
-  const uint32_t lanes = mse_lanes_per_group(args.num_tokens, args.row_elems);
+  // A rotated write keeps a thread per group: the rotation runs across a head's threads.
+  const uint32_t lanes = args.rotation_head_dim != 0 ? 1 : mse_lanes_per_group(args.num_tokens, args.row_elems);
   const void* kernel = lanes == kMseWarpLanes
                            ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, kMseWarpLanes>)
                            : reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, 1>);

@@ -23,7 +23,7 @@ from ._errors import (
     NullPointerError,
     Status,
 )
-from ._lib import ABI_VERSION, VEncoder, library_path, version
+from ._lib import ABI_VERSION, VEncoder, VRotation, library_path, version
 from .arrays import ArgumentError, DeviceBuffer, KVCache, dequantize_kv, paged_decode, write_kv
 from .checked import ErrorWord, check_errors
 from .layout import CacheLayout
@@ -49,7 +49,7 @@ __all__ = [
     "ABI_VERSION", "ArgumentError", "BadStructSizeError", "CacheIndexError", "CacheLayout",
     "CudaError", "DeviceBuffer", "ErrorWord", "Fp8kturbovError", "IndexErrorFlags",
     "InvalidValueError", "KVCache", "MisalignedError", "NotSupportedError", "NullPointerError",
-    "Status", "VEncoder", "check_errors", "dequantize", "dequantize_kv",
+    "Status", "VEncoder", "VRotation", "check_errors", "dequantize", "dequantize_kv",
     "library_path", "paged_decode", "paged_decode_attn", "paged_decode_attn_fp8k_turbo2v",
     "paged_decode_attn_fp8k_turbo3v", "paged_decode_attn_fp8k_turbo4v",
     "paged_decode_workspace_bytes", "reshape_and_cache",

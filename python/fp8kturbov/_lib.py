@@ -53,6 +53,7 @@ class WriteParams(ctypes.Structure):
         ("num_blocks", _u64),
         ("error_flags", _ptr),
         ("v_encoder", _u32),
+        ("v_rotation", _u32),
     ]
 
 
@@ -62,6 +63,15 @@ class VEncoder(enum.IntEnum):
 
     MATCHED_NORM = 0
     MSE = 1
+
+
+class VRotation(enum.IntEnum):
+    """Mirror of ``fp8kturbov_v_rotation_t``: the optional V rotation of FORMAT.md §6, fused into
+    the write (each V head rotated before it is quantised) and the decode (outputs rotated back);
+    head_dim 128, 256 or 512. A cache written rotated must be decoded rotated."""
+
+    NONE = 0
+    HADAMARD = 1
 
 
 class DecodeParams(ctypes.Structure):
@@ -99,6 +109,7 @@ class DecodeParams(ctypes.Structure):
         ("query_start", _ptr),
         ("max_q_len", _u32),
         ("num_query_rows", _u32),
+        ("v_rotation", _u32),
     ]
 
 

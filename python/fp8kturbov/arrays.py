@@ -61,7 +61,8 @@ import numpy as np
 
 from . import ops
 from ._errors import CudaError, InvalidValueError, Status
-from ._lib import VEncoder
+from ._lib import VEncoder, VRotation
+from .reference import ROTATION_DIMS as ROTATION_HEAD_DIMS
 from .layout import CacheLayout
 
 if TYPE_CHECKING:
@@ -557,6 +558,11 @@ class KVCache:
     outside the first ``layout.num_blocks`` pages are skipped instead of reaching past them.
     :meth:`check_errors` raises :class:`~fp8kturbov.CacheIndexError` for what was skipped; the
     launches never wait for the device, :meth:`check_errors` waits for the stream it is given.
+
+    ``v_rotation`` (a :class:`~fp8kturbov.VRotation` or its lower-case name; head_dim 128, 256 or
+    512 for "hadamard"): how V is kept, FORMAT.md §6. :func:`write_kv` rotates each V head before
+    it is quantised and :func:`paged_decode` rotates each output head back, so a cache is always
+    written and read the same way; :func:`dequantize_kv` returns V as stored (rotated).
     """
 
     k_pool: Any = field(repr=False)
@@ -564,6 +570,7 @@ class KVCache:
     layout: CacheLayout
     k_scale: float
     checked: bool = False
+    v_rotation: VRotation = VRotation.NONE
     backend: str = field(init=False)
     device: int | None = field(init=False)
     k_ptr: int = field(init=False, repr=False)
@@ -576,6 +583,7 @@ class KVCache:
         _check_layout(self.layout)
         self.k_scale = _positive_finite("k_scale", self.k_scale)
         _check_checked_mode(self.checked, self.layout)
+        self.v_rotation = _v_rotation(self.v_rotation, self.layout)
         pools = (_describe_now("k_pool", self.k_pool), _describe_now("v_pool", self.v_pool))
         for pool, needed in zip(pools, (self.layout.k_pool_bytes, self.layout.v_pool_bytes)):
             _check_array(pool, "uint8", (None,), "[bytes] (1-D)")
@@ -593,26 +601,28 @@ class KVCache:
 
     @classmethod
     def wrap(cls, k_pool: Any, v_pool: Any, layout: CacheLayout, k_scale: float, *,
-             checked: bool = False) -> KVCache:
+             checked: bool = False, v_rotation: VRotation | str = VRotation.NONE) -> KVCache:
         """A cache over pools the caller allocated and keeps owning (any array kind of the
-        module docstring; 1-D uint8, contiguous, writable, on one device). ``checked``: see the
-        class docstring."""
-        return cls(k_pool, v_pool, layout, k_scale, checked)
+        module docstring; 1-D uint8, contiguous, writable, on one device). ``checked``,
+        ``v_rotation``: see the class docstring."""
+        return cls(k_pool, v_pool, layout, k_scale, checked, v_rotation)
 
     @classmethod
     def allocate(cls, layout: CacheLayout, k_scale: float, *, backend: str = "torch",
-                 device: int = 0, checked: bool = False) -> KVCache:
+                 device: int = 0, checked: bool = False,
+                 v_rotation: VRotation | str = VRotation.NONE) -> KVCache:
         """A cache with new, uninitialised pools from ``backend`` ("torch", "cupy", or "cuda" for
         ``cuMemAlloc`` through cuda.bindings) on CUDA device ``device``. The cache owns them:
         :meth:`close` (or the end of a ``with`` block) releases them; "cuda" memory is also freed
-        when the pools are garbage-collected. ``checked``: see the class docstring."""
+        when the pools are garbage-collected. ``checked``, ``v_rotation``: see the class docstring."""
         _check_backend(backend)
         _check_layout(layout)
         _positive_finite("k_scale", k_scale)
         _check_checked_mode(checked, layout)
+        _v_rotation(v_rotation, layout)
         k_pool = _allocate(backend, (layout.k_pool_bytes,), "uint8", device)
         v_pool = _allocate(backend, (layout.v_pool_bytes,), "uint8", device)
-        cache = cls(k_pool, v_pool, layout, k_scale, checked)
+        cache = cls(k_pool, v_pool, layout, k_scale, checked, v_rotation)
         cache.owns_memory = True
         return cache
 
@@ -804,7 +814,21 @@ def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
             key=call["key"].ptr, value=call["value"].ptr, k_cache=cache.k_ptr,
             v_cache=cache.v_ptr, slot_mapping=call["slot_mapping"].ptr, num_tokens=num_tokens, key_stride=key_stride, value_stride=value_stride,
             k_scale=cache.k_scale if k_scale is None else k_scale, v_encoder=encoder,
-            stream=call.stream, **cache._layout_args(), **cache._checked_args())
+            v_rotation=cache.v_rotation, stream=call.stream, **cache._layout_args(),
+            **cache._checked_args())
+
+
+def _v_rotation(v_rotation: Any, layout: CacheLayout) -> VRotation:
+    """``v_rotation`` as a :class:`VRotation` (or its lower-case name), defined for the layout."""
+    names = [r.name.lower() for r in VRotation]
+    if isinstance(v_rotation, str) and v_rotation in names:
+        v_rotation = VRotation[v_rotation.upper()]
+    if not isinstance(v_rotation, VRotation):
+        raise ArgumentError("v_rotation", repr(v_rotation), f"a VRotation or one of {', '.join(map(repr, names))}")
+    if v_rotation != VRotation.NONE and layout.head_dim not in ROTATION_HEAD_DIMS:
+        raise ArgumentError("v_rotation", v_rotation.name.lower(),
+                            f"none for head_dim {layout.head_dim} (FORMAT.md §6 rotates 128, 256, 512)")
+    return v_rotation
 
 
 def _v_encoder(v_encoder: Any) -> VEncoder:
@@ -836,7 +860,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     reported (:meth:`KVCache.check_errors`). ``sinks``: float32 ``[num_q_heads]``, contiguous,
     one attention-sink logit per query head (in score units), joining the softmax denominator
     only; None for none. ``soft_cap`` > 0: scores become ``soft_cap·tanh(score / soft_cap)``; 0 is
-    off.
+    off. A cache with ``v_rotation`` (:class:`KVCache`) gets each output head rotated back.
 
     Multi-token decode (speculative or chunked decode): ``query_start``, int32 ``[num_seqs + 1]``,
     contiguous, on the device like ``block_tables``, non-decreasing from 0: sequence ``s`` owns the
@@ -902,7 +926,8 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
             workspace=scratch.ptr if scratch is not None else 0,
             workspace_bytes=scratch.nbytes if scratch is not None else 0,
             sinks=call["sinks"].ptr if call.get("sinks") is not None else 0, soft_cap=soft_cap,
-            stream=call.stream, **query_row_args, **cache._layout_args(), **cache._checked_args())
+            v_rotation=cache.v_rotation, stream=call.stream, **query_row_args, **cache._layout_args(),
+            **cache._checked_args())
     return out
 
 

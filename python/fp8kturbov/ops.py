@@ -105,12 +105,14 @@ def reshape_and_cache(
     num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
     key_stride: int, value_stride: int, k_scale: float, v_bits: int,
     k_block_stride_bytes: int, v_block_stride_bytes: int, v_data_section_bytes: int,
-    num_blocks: int = 0, error_flags: int = 0, v_encoder: int = 0, stream: Any = None,
+    num_blocks: int = 0, error_flags: int = 0, v_encoder: int = 0, v_rotation: int = 0,
+    stream: Any = None,
 ) -> None:
     """Write K/V rows into the pools (``fp8kturbov_reshape_and_cache``); see the C header.
 
     ``v_encoder``: a :class:`~fp8kturbov.VEncoder` (0 = matched-norm, the default; 1 = the MSE
-    scale search).
+    scale search). ``v_rotation``: a :class:`~fp8kturbov.VRotation` (0 = none, the default; 1 =
+    each V head rotated first, FORMAT.md §6; decode such a cache with the same ``v_rotation``).
 
     Checked mode (the header's "Checked mode"): ``num_blocks`` is the number of pages each pool
     holds (0 = unchecked), ``error_flags`` the device address of a 4-byte aligned uint32 word
@@ -147,9 +149,12 @@ def paged_decode_attn(
     k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
     workspace: int = 0, workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0,
     sinks: int = 0, soft_cap: float = 0.0, query_start: int = 0, max_q_len: int = 0,
-    num_query_rows: int = 0, stream: Any = None,
+    num_query_rows: int = 0, v_rotation: int = 0, stream: Any = None,
 ) -> None:
     """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
+
+    ``v_rotation``: the :class:`~fp8kturbov.VRotation` the cache was written with; with
+    ``HADAMARD`` each output head is rotated back.
 
     ``sinks``: device address of float32 ``[num_q_heads]`` attention-sink logits (0 = none);
     ``soft_cap`` > 0 soft-caps the scores (``cap · tanh(score / cap)``), 0 is off.
