@@ -75,6 +75,8 @@ def test_default_config_is_the_issue_table():
     ({"ops": ("prefill",)}, "op 'prefill'"),
     ({"sparse_v_threshold": -1.0}, "sparse_v_threshold"),
     ({"v_encoder": "MSE"}, "v_encoder 'MSE'"),
+    ({"v_rotation": "HADAMARD"}, "v_rotation 'HADAMARD'"),
+    ({"v_rotation": "hadamard", "head_dims": (64, 128)}, "needs head_dim 128, 256 or 512, not 64"),
     ({"soft_cap": -1.0}, "soft_cap"),
     ({"soft_cap": float("inf")}, "soft_cap"),
     ({"q_len": 0}, "q_len = 0 must be in 1..16"),
@@ -374,6 +376,9 @@ def test_launch_options_of_the_decode_and_the_write():
     assert bench.launch_options(dev, DECODE_SHAPE, layout, config) == {"sinks": 0x9001, "soft_cap": 30.0}
     assert dev.uploads[0].dtype == np.float32 and np.array_equal(dev.uploads[0], np.zeros(32))
     assert bench.launch_options(dev, WRITE_SHAPE, layout, config) == {"v_encoder": fp8kturbov.VEncoder.MSE}
+    rotated = bench.Config(v_rotation="hadamard")
+    for shape in (DECODE_SHAPE, WRITE_SHAPE):  # a rotated cache is written and decoded rotated
+        assert bench.launch_options(dev, shape, layout, rotated) == {"v_rotation": fp8kturbov.VRotation.HADAMARD}
 
 
 def test_launch_options_pass_the_query_rows_of_a_multi_token_decode():
@@ -467,13 +472,14 @@ def test_cli_options_become_a_config():
         ["bench", "--op", "decode", "--shapes", "1x32768,8x8k", "--bits", "3", "--head-dim",
          "128,256", "--q-heads", "16", "--kv-heads", "4", "--block-size", "32", "--iters", "50",
          "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--checked", "--v-encoder",
-         "mse", "--soft-cap", "30", "--sinks", "--q-len", "4", "--no-peers", "--json", "out.json",
+         "mse", "--soft-cap", "30", "--sinks", "--v-rotation", "hadamard", "--q-len", "4", "--no-peers",
+         "--json", "out.json",
          "--plot", "out.png"])
     assert config_from_args(args) == bench.Config(
         ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
         num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
-        sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True, q_len=4,
-        peers=False)
+        sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True,
+        v_rotation="hadamard", q_len=4, peers=False)
     assert (args.json, args.plot) == ("out.json", "out.png")
     assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
 

@@ -449,11 +449,12 @@ def host_gpu(monkeypatch):
     def write(shape, layout, k_scale, buffers, stream, options=None):
         n = layout.row_elems
         encoder = (options or {}).get("v_encoder", fp8kturbov.VEncoder.MATCHED_NORM).name.lower()
+        rotation = (options or {}).get("v_rotation", fp8kturbov.VRotation.NONE) != fp8kturbov.VRotation.NONE
         ref.write_cache(mem[buffers.key].view(bf16), mem[buffers.value].view(bf16),
                         mem[buffers.k_cache], mem[buffers.v_cache], mem[buffers.slot_mapping],
                         shape.batch, layout.num_kv_heads, layout.head_dim, layout.block_size, n, n,
                         k_scale, layout.k_block_stride_bytes, layout.v_block_stride_bytes,
-                        layout.v_data_section_bytes, layout.v_bits, encoder=encoder)
+                        layout.v_data_section_bytes, layout.v_bits, encoder=encoder, rotation=rotation)
         dev.corrupt("v_pool", mem[buffers.v_cache])
 
     def decode(scalars, buffers, stream):
@@ -462,10 +463,12 @@ def host_gpu(monkeypatch):
         query_start = mem[scalars.pop("query_start")] if "query_start" in scalars else None
         rows = scalars.pop("num_query_rows", len(mem[buffers.seq_lens]))
         del scalars["max_q_len"]  # the reference reads the query rows from query_start
+        rotation = scalars.pop("v_rotation") != fp8kturbov.VRotation.NONE
         out = ref.paged_decode(mem[buffers.q].view(bf16), mem[buffers.k_cache],
                                mem[buffers.v_cache], mem[buffers.block_tables],
                                mem[buffers.seq_lens], bits=scalars.pop("v_bits"),
-                               sliding_window=0, sinks=sinks, query_start=query_start, **scalars)
+                               sliding_window=0, sinks=sinks, query_start=query_start,
+                               rotation=rotation, **scalars)
         assert len(out) == rows
         dev.corrupt("output", out)
         mem[buffers.output][...] = out.astype(bf16).view(np.uint16)
@@ -488,6 +491,11 @@ def test_demo_options_reach_the_case():
     assert demo.build_demo_case(cli.build_parser().parse_args(SMALL_DEMO)).sinks is None
     with pytest.raises(ValueError, match="--soft-cap"):
         demo.build_demo_case(cli.build_parser().parse_args([*SMALL_DEMO, "--soft-cap", "-1"]))
+    with pytest.raises(ValueError, match="needs head_dim 128, 256 or 512, not 64"):
+        demo.build_demo_case(cli.build_parser().parse_args([*SMALL_DEMO, "--v-rotation", "hadamard"]))
+    rotated = demo.build_demo_case(cli.build_parser().parse_args(
+        [*SMALL_DEMO, "--head-dim", "128", "--v-rotation", "hadamard"]))
+    assert rotated.v_rotation == "hadamard" and rotated.decode_scalars(0.0)["v_rotation"] is fp8kturbov.VRotation.HADAMARD
 
 
 def test_exact_attention_applies_the_soft_cap_and_the_sinks():
@@ -513,8 +521,10 @@ def test_exact_attention_applies_the_soft_cap_and_the_sinks():
 
 
 @pytest.mark.parametrize("options", [["--v-encoder", "mse"], ["--soft-cap", "3", "--sinks"],
-                                     ["--q-len", "4"], ["--q-len", "16", "--seq-lens", "300,16"]],
-                         ids=["mse_encoder", "soft_cap_and_sinks", "q_len", "q_len_of_the_shortest"])
+                                     ["--q-len", "4"], ["--q-len", "16", "--seq-lens", "300,16"],
+                                     ["--head-dim", "128", "--v-rotation", "hadamard"]],
+                         ids=["mse_encoder", "soft_cap_and_sinks", "q_len", "q_len_of_the_shortest",
+                              "v_rotation"])
 def test_demo_gpu_path_with_options_passes_when_the_kernels_agree(host_gpu, capsys, options):
     assert cli.main([*SMALL_DEMO, "--iters", "3", *options]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS: the kernels match the reference")

@@ -96,6 +96,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soft-cap", type=float, metavar="CAP", default=d.soft_cap,
                         help="decode with logit soft-capping at CAP (default: off)")
     parser.add_argument("--sinks", action="store_true", help="decode with attention sinks")
+    parser.add_argument("--v-rotation", choices=bench.V_ROTATION_NAMES, default=d.v_rotation,
+                        help="write and decode with this V rotation (hadamard: head_dim 128, 256, "
+                        f"512; default: {d.v_rotation})")
     add_q_len_argument(parser, d.q_len)
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
@@ -112,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
-        q_len=args.q_len, peers=not args.no_peers, seed=args.seed)
+        v_rotation=args.v_rotation, q_len=args.q_len, peers=not args.no_peers, seed=args.seed)
 
 
 def _error(message: str, command: str = "bench") -> None:
@@ -263,6 +266,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode with logit soft-capping at CAP (default: off)")
     parser.add_argument("--sinks", action="store_true",
                         help="decode with attention sinks (random logits, N(0, 4), per query head)")
+    parser.add_argument("--v-rotation", choices=bench.V_ROTATION_NAMES, default="none",
+                        help="write and decode with this V rotation (hadamard: head_dim 128, 256, "
+                        "512; default: none)")
     add_q_len_argument(parser, 1)
     parser.add_argument("--iters", type=count, metavar="N", default=20,
                         help="timed runs per kernel; the median is reported (default: 20)")

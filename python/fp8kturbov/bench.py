@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import (CacheLayout, VEncoder, paged_decode_attn, paged_decode_workspace_bytes,
+from . import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode_workspace_bytes,
                reshape_and_cache, version)
 from ._device import BenchError, Device, cu, driver_call, first_line
 from .arrays import MAX_Q_LEN
@@ -71,6 +71,7 @@ DEFAULT_WRITE_TOKENS: tuple[int, ...] = (1, 16, 128, 32768)
 OPS = ("decode", "write")
 V_BITS = (2, 3, 4)
 V_ENCODER_NAMES = tuple(encoder.name.lower() for encoder in VEncoder)
+V_ROTATION_NAMES = tuple(rotation.name.lower() for rotation in VRotation)
 E4M3_MAX = 448.0
 BF16_BYTES = 2
 COPY_ITERS, COPY_WARMUP = 30, 3
@@ -145,6 +146,7 @@ class Config:
     v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
     soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
     sinks: bool = False  # decode with attention sinks (zero logits)
+    v_rotation: str = "none"  # write and decode with this V rotation (a lower-case VRotation name)
     q_len: int = 1  # decode: query tokens per sequence (1: no query_start, the one-token decode)
     peers: bool = True  # not run with q_len > 1: they decode one query token per sequence
     copy_bytes: int = 2 * GiB  # one direction of the ceiling copy
@@ -171,6 +173,11 @@ class Config:
             problems.append(f"v_encoder {self.v_encoder!r} is not one of {V_ENCODER_NAMES}")
         if not 0 <= self.soft_cap < float("inf"):
             problems.append(f"soft_cap = {self.soft_cap} must be finite and >= 0")
+        if self.v_rotation not in V_ROTATION_NAMES:
+            problems.append(f"v_rotation {self.v_rotation!r} is not one of {V_ROTATION_NAMES}")
+        elif self.v_rotation != "none":
+            problems += [f"v_rotation {self.v_rotation!r} needs head_dim 128, 256 or 512, not {d}"
+                         for d in self.head_dims if d not in (128, 256, 512)]
         if not 1 <= self.q_len <= MAX_Q_LEN:
             problems.append(f"q_len = {self.q_len} must be in 1..{MAX_Q_LEN}")
         elif "decode" in self.ops:
@@ -536,8 +543,11 @@ def query_start_arguments(dev: Device, shape: Shape) -> dict[str, Any]:
 def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Config) -> dict[str, Any]:
     """The optional arguments of one input set's launch: checked mode (the pools' page count and
     a zeroed error word), the decode's sinks (zero logits), soft cap and query rows
-    (`query_start_arguments`), the write's V encoder; only those ``config`` and ``shape`` turn on."""
+    (`query_start_arguments`), the write's V encoder, the V rotation (write and decode); only those
+    ``config`` and ``shape`` turn on."""
     options: dict[str, Any] = {}
+    if config.v_rotation != "none":
+        options["v_rotation"] = VRotation[config.v_rotation.upper()]
     if config.checked:
         word = dev.alloc(4)
         dev.memset(word, 0, 4)
@@ -976,7 +986,8 @@ def context_line(device: dict[str, Any]) -> str:
 def _options_text(config: Config) -> str:
     """The options that are on, for the report (nothing when all are off)."""
     on = ([f"V encoder {config.v_encoder}"] if config.v_encoder != "matched_norm" else []) + \
-         ([f"soft cap {config.soft_cap:g}"] if config.soft_cap else []) + (["sinks"] if config.sinks else [])
+         ([f"soft cap {config.soft_cap:g}"] if config.soft_cap else []) + (["sinks"] if config.sinks else []) + \
+         ([f"V rotation {config.v_rotation}"] if config.v_rotation != "none" else [])
     if config.q_len > 1:
         on.append(f"{config.q_len} query tokens per sequence"
                   + (" (peers not run: they decode one)" if config.peers else ""))

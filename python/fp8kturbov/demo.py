@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import CacheLayout, VEncoder, bench, paged_decode_workspace_bytes, planning
+from . import CacheLayout, VEncoder, VRotation, bench, paged_decode_workspace_bytes, planning
 from ._device import BenchError, Device, cu, driver_call, first_line
 
 DEFAULT_SEQ_LENS = (2048, 1500, 640, 37)
@@ -53,6 +53,7 @@ class DemoCase:
     v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
     soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
     sinks: np.ndarray | None = None  # float32 [num_q_heads] attention-sink logits, or None
+    v_rotation: str = "none"  # written and decoded with this V rotation (a lower-case VRotation name)
     q_len: int = 1  # query tokens per sequence: its last q_len positions (multi-token decode)
 
     @property
@@ -84,7 +85,8 @@ class DemoCase:
         """The decode's scalar arguments (``inv_sqrt_d = head_dim ** -0.5``, dense q; the
         sinks and query_start are not scalars: see `run_kernels`)."""
         return {**bench.decode_scalars(self.shape("decode"), self.layout, self.k_scale,
-                                       sparse_v_threshold), "soft_cap": self.soft_cap}
+                                       sparse_v_threshold), "soft_cap": self.soft_cap,
+                "v_rotation": VRotation[self.v_rotation.upper()]}
 
 
 def random_kv(rng: np.random.Generator, num_tokens: int, num_kv_heads: int,
@@ -166,7 +168,11 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
         raise ValueError(f"--soft-cap {args.soft_cap} must be finite and >= 0")
     case = make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng, args.q_len)
     sinks = (2 * rng.standard_normal(case.q.shape[1])).astype(np.float32) if args.sinks else None
-    return dataclasses.replace(case, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=sinks)
+    if args.v_rotation != "none" and case.layout.head_dim not in (128, 256, 512):
+        raise ValueError(f"--v-rotation {args.v_rotation} needs head_dim 128, 256 or 512, not "
+                         f"{case.layout.head_dim}")
+    return dataclasses.replace(case, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=sinks,
+                               v_rotation=args.v_rotation)
 
 
 def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +192,7 @@ def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np
                         int(case.seq_lens[s]), layout.num_kv_heads, layout.head_dim,
                         layout.block_size, n, n, case.k_scale, layout.k_block_stride_bytes,
                         layout.v_block_stride_bytes, layout.v_data_section_bytes, layout.v_bits,
-                        encoder=case.v_encoder)
+                        encoder=case.v_encoder, rotation=case.v_rotation != "none")
     return k_pool, v_pool
 
 
@@ -199,9 +205,10 @@ def reference_decode(case: DemoCase, k_pool: np.ndarray, v_pool: np.ndarray,
     scalars = case.decode_scalars(sparse_v_threshold)
     bits = scalars.pop("v_bits")
     del scalars["max_q_len"]  # the reference reads the query rows from query_start itself
+    rotation = scalars.pop("v_rotation") != VRotation.NONE
     return ref.paged_decode(case.q, k_pool, v_pool, case.block_tables, case.seq_lens,
                             bits=bits, sliding_window=0, sinks=case.sinks,
-                            query_start=case.shape("decode").query_start, **scalars)
+                            query_start=case.shape("decode").query_start, rotation=rotation, **scalars)
 
 
 def exact_attention(case: DemoCase) -> np.ndarray:
@@ -278,7 +285,7 @@ def run_kernels(dev: Device, case: DemoCase, sparse_v_threshold: float,
         seq_lens=dev.upload(case.seq_lens),
         workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
         workspace_bytes=workspace_bytes)
-    write_options = {"v_encoder": VEncoder[case.v_encoder.upper()]}
+    write_options = {"v_encoder": VEncoder[case.v_encoder.upper()], "v_rotation": scalars["v_rotation"]}
     if case.sinks is not None:
         scalars["sinks"] = dev.upload(case.sinks)
     launch_write = functools.partial(bench.launch_write, case.shape("write"), case.layout,
@@ -332,7 +339,8 @@ def describe_case(case: DemoCase, args: argparse.Namespace) -> str:
     return (f"demo: {len(case.seq_lens)} sequences of {', '.join(map(str, case.seq_lens))} tokens; "
             f"{f'{case.q_len} query tokens per sequence, ' if case.q_len > 1 else ''}"
             f"{case.q.shape[1]} query heads, {layout.num_kv_heads} KV heads, head_dim "
-            f"{layout.head_dim}, {layout.block_size}-token pages, fp8k_turbo{layout.v_bits}v; "
+            f"{layout.head_dim}, {layout.block_size}-token pages, fp8k_turbo{layout.v_bits}v"
+            f"{f' with V rotation {case.v_rotation}' if case.v_rotation != 'none' else ''}; "
             f"{source}\n"
             f"k_scale {case.k_scale:.4g} (max |K| / 448); cache {len(case.keys)} tokens x "
             f"{layout.bytes_per_token} B = {case.cache_bytes / 1e6:.2f} MB per layer "

@@ -180,7 +180,7 @@ def paged_decode_workspace_bytes(
     head_dim: int, block_size: int, q_stride: int, v_bits: int, v_block_stride_bytes: int,
     v_data_section_bytes: int, k_block_stride_bytes: int = 0, sliding_window: int = 0,
     inv_sqrt_d: float = 1.0, k_scale: float = 1.0, sparse_v_threshold: float = 1e-3,
-    soft_cap: float = 0.0, max_q_len: int = 0,
+    soft_cap: float = 0.0, max_q_len: int = 0, v_rotation: int = 0,
 ) -> int:
     """Workspace BYTES for :func:`paged_decode_attn` with these scalars on the current device
     (0 when a split would not help). A host query: no synchronisation."""
