@@ -275,10 +275,12 @@ struct DecodeSmem {
 };
 
 // CODE_COPY: bytes per V code copy, DecodeShape::kMaxCodeCopy where the pool layout allows it
-// (DecodeArgs::v_code_copy_bytes), else 4. MULTI_TOKEN: the decode has query_start (several query
-// tokens per sequence). One-token decodes get a kernel of their own, in which none of the
-// multi-token indexing exists and whose registers are allocated for its own code alone.
-template <int BITS, int HEAD_DIM, int CODE_COPY, bool MULTI_TOKEN>
+// (DecodeArgs::v_code_copy_bytes), else 4. EXTENDED: the instance for decodes beyond the default
+// of one query token per sequence and unrotated V, i.e. with query_start (several query tokens per
+// sequence) or rotated V (FORMAT §6). The default decode gets a kernel of its own, in which neither
+// the multi-token indexing nor the rotation epilogue exists and whose registers are allocated for
+// its own code alone.
+template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     paged_decode_kernel(const DecodeArgs a, const DecodePlan plan) {
   using S = DecodeShape<BITS, HEAD_DIM>;
@@ -318,7 +320,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const bool reports = a.index_check.enabled() && tid == 0 && chunk == 0 && kv_head == 0 && split == 0;  // once per sequence
   uint32_t row0 = seq;
   int q_len = 1;
-  if (MULTI_TOKEN && !sequence_query_rows(a, seq, row0, q_len)) {
+  if (EXTENDED && !sequence_query_rows(a, seq, row0, q_len)) {
     if (reports) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
     return;
   }
@@ -328,9 +330,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int num_columns = min(kHeadsPerCta, q_len * int(group_size) - first_column);
   if (num_columns <= 0) return;  // a sequence with fewer query tokens than the grid is sized for
   // One query token: column c is query head first_column + c of the group.
-  auto column_token = [&](int c) -> uint32_t { return MULTI_TOKEN ? uint32_t(first_column + c) / group_size : 0u; };
+  auto column_token = [&](int c) -> uint32_t { return EXTENDED ? uint32_t(first_column + c) / group_size : 0u; };
   auto column_head = [&](int c) -> uint32_t {
-    return kv_head * group_size + (MULTI_TOKEN ? uint32_t(first_column + c) % group_size : uint32_t(first_column + c));
+    return kv_head * group_size + (EXTENDED ? uint32_t(first_column + c) % group_size : uint32_t(first_column + c));
   };
 
   // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
@@ -340,7 +342,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
   const int seq_len = min(max(given_seq_len, 0), table_positions);
   if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
-  if (reports && MULTI_TOKEN && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+  if (reports && EXTENDED && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
   auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
   auto window_start = [&](int end) {
     return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
@@ -404,7 +406,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // One query token: the chunk's heads are consecutive in its q row, so the loads are one strided
   // stream that the compiler batches (in flight together); several tokens: per column.
   float q_gain;
-  if constexpr (MULTI_TOKEN) {
+  if constexpr (EXTENDED) {
     q_gain = load_query([&](int i) {
       const int c = i / HEAD_DIM;
       return a.q[uint64_t(row0 + column_token(c)) * a.q_stride + uint64_t(column_head(c)) * HEAD_DIM + i % HEAD_DIM];
@@ -808,8 +810,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     // Rotated V (FORMAT §6) without splits: the merged rows are rotated back before they are
     // normalised, in the first stream's rows, a warp per column. (Split partials stay rotated:
     // the merge kernel rotates their sum back.)
-    const bool rotate_back = a.rotated_v && plan.num_splits == 1;  // CTA-uniform
-    if constexpr (HEAD_DIM >= 128) {
+    bool rotate_back = false;
+    if constexpr (EXTENDED && kRotatableHeadDim<HEAD_DIM>) {
+      rotate_back = a.rotated_v && plan.num_splits == 1;  // CTA-uniform
       if (rotate_back) {
         for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
           float m, l;
@@ -835,7 +838,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         const uint64_t row = uint64_t(row0 + token) * a.num_q_heads + head;
         a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(out));
       } else {
-        const uint64_t row = (uint64_t(seq) * (MULTI_TOKEN ? a.max_q_len : 1u) + token) * a.num_q_heads + head;
+        const uint64_t row = (uint64_t(seq) * (EXTENDED ? a.max_q_len : 1u) + token) * a.num_q_heads + head;
         float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
         part[d] = o;
         if (d == 0) {
@@ -846,9 +849,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
   };
   if (pages_masked)
-    decode_tiles(std::true_type{}, std::bool_constant<MULTI_TOKEN>{});
+    decode_tiles(std::true_type{}, std::bool_constant<EXTENDED>{});
   else if (columns_masked)  // never with one token
-    decode_tiles(std::false_type{}, std::bool_constant<MULTI_TOKEN>{});
+    decode_tiles(std::false_type{}, std::bool_constant<EXTENDED>{});
   else
     decode_tiles(std::false_type{}, std::false_type{});
 }
@@ -870,9 +873,9 @@ __device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
 
 // Combines the splits' partials of one (sequence, query token, query head): the splits' weights
 // are computed once, in parallel, then every thread sums its element over the splits with several
-// loads in flight. MULTI_TOKEN as for the decode kernel: one-token decodes get an instance without
-// the multi-token indexing.
-template <int HEAD_DIM, bool MULTI_TOKEN>
+// loads in flight. EXTENDED as for the decode kernel: the default decode gets an instance without
+// the multi-token indexing and the rotation.
+template <int HEAD_DIM, bool EXTENDED>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];
   __shared__ float scratch[HEAD_DIM / 32];
@@ -880,7 +883,7 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   const uint32_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head (< 2^31)
   // The output's (query row, head) index: row itself with one token per sequence.
   uint64_t out_row = row;
-  if constexpr (MULTI_TOKEN) {
+  if constexpr (EXTENDED) {
     const uint32_t seq_token = row / a.num_q_heads;
     const uint32_t token = seq_token % a.max_q_len;
     uint32_t row0;
@@ -906,7 +909,7 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   float o = 0.0f;
 #pragma unroll 8
   for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
-  if constexpr (HEAD_DIM >= 128) {
+  if constexpr (EXTENDED && kRotatableHeadDim<HEAD_DIM>) {
     if (a.rotated_v) {  // FORMAT §6: the partials are of rotated V
       row_s[tid] = o;
       __syncthreads();
@@ -919,19 +922,20 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   a.output[out_row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
 }
 
-// The decode kernel instance for a pool layout (code copy width) and query token count.
-template <int BITS, int HEAD_DIM, bool MULTI_TOKEN>
+// The decode kernel instance for a pool layout (code copy width) and EXTENDED.
+template <int BITS, int HEAD_DIM, bool EXTENDED>
 const void* decode_kernel_for(const DecodeArgs& args) {
   constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
   return args.v_code_copy_bytes >= kWideCopy
-             ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, MULTI_TOKEN>)
-             : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, MULTI_TOKEN>);
+             ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED>)
+             : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED>);
 }
 
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, cudaStream_t stream) {
-  const void* kernel = args.query_start != nullptr ? decode_kernel_for<BITS, HEAD_DIM, true>(args)
-                                                   : decode_kernel_for<BITS, HEAD_DIM, false>(args);
+  const bool extended = args.query_start != nullptr || args.rotated_v;
+  const void* kernel = extended ? decode_kernel_for<BITS, HEAD_DIM, true>(args)
+                                : decode_kernel_for<BITS, HEAD_DIM, false>(args);
   constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
   // Set on every launch: the attribute belongs to the current device's copy of the kernel. It is
   // not a stream operation, so launches stay capturable.
@@ -943,8 +947,8 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   void* params[] = {&kernel_args, &kernel_plan};
   err = cudaLaunchKernel(kernel, grid, dim3(kDecodeThreads), params, kSmemBytes, stream);
   if (err != cudaSuccess || plan.num_splits == 1) return err;
-  const void* merge = args.query_start != nullptr ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true>)
-                                                  : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false>);
+  const void* merge = extended ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true>)
+                               : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false>);
   return cudaLaunchKernel(merge, dim3(args.num_seqs * args.max_q_len * args.num_q_heads), dim3(HEAD_DIM), params, 0,
                           stream);
 }
@@ -956,7 +960,7 @@ cudaError_t decode_ctas_per_sm(int device, int* count) {
   if (device >= 0 && device < kDecodeMaxCachedDevices && (*count = cached[device].load(std::memory_order_relaxed)) > 0)
     return cudaSuccess;
   constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
-  // The one-token kernel's: all instances share the launch bounds and shared memory size.
+  // The default (not EXTENDED) kernel's: all instances share the launch bounds and shared memory size.
   const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false>);
   constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
