@@ -693,7 +693,8 @@ def peer_bf16_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timi
 
 def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
     """flashinfer's paged decode over an FP8 E4M3 K/V cache (NHD pages of ``block_size``
-    tokens), bf16 q and output. Returns (bytes, timing)."""
+    tokens), bf16 q and output, on tensor cores (its choice for GQA groups of 4 and more, and the
+    setting of the FP8 reference numbers in docs/PERFORMANCE.md). Returns (bytes, timing)."""
     torch = _optional("torch")
     flashinfer = _optional("flashinfer")
     workspace_bytes = 128 << 20  # flashinfer's documented default for decode
@@ -708,7 +709,7 @@ def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config) -> tuple[int,
         last_len = torch.full((shape.batch,), shape.context - (per_seq - 1) * shape.block_size, **int32)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda"), "NHD",
-            use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
+            use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
             paged_kv_indices_buffer=torch.empty_like(indices),
             paged_kv_last_page_len_buffer=torch.empty_like(last_len))
         wrapper.plan(indptr, indices, last_len, shape.num_q_heads, shape.num_kv_heads,
