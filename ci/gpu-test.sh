@@ -44,7 +44,7 @@ sanitize() {
   local tests=(tests)
   if (( shards > 1 )); then log="$log_dir/sanitizer-$tool-shard$k.log"; mapfile -t tests < <(shard_tests "$k"); fi
   CUDA_VISIBLE_DEVICES=$gpu compute-sanitizer --tool "$tool" --error-exitcode 9 \
-    python3 -m pytest "${tests[@]}" -m gpu -q -x -p no:cacheprovider ${SANITIZER_PYTEST_ARGS:-} >"$log" 2>&1
+    python3 -m pytest "${tests[@]}" -m gpu -q -x -p no:cacheprovider --durations=15 ${SANITIZER_PYTEST_ARGS:-} >"$log" 2>&1
   local rc=$?
   local label="$tool"
   (( shards > 1 )) && label="$tool, shard $k of $shards"
