@@ -88,6 +88,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=d.sparse_v_threshold,
                         help=f"decode's sparse-V threshold, 0 = exact (default: {d.sparse_v_threshold:g})")
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed of the inputs")
+    parser.add_argument("--ceiling-mib", type=count, metavar="N", default=d.copy_bytes // bench.MiB,
+                        help="MiB (each way) of the device-to-device copy that measures the "
+                        "bandwidth ceiling; keep it well above the L2 size (60 MB on an H200), or "
+                        f"the ceiling is the L2's (default: {d.copy_bytes // bench.MiB})")
     parser.add_argument("--checked", action="store_true",
                         help="run the library's launches in checked mode (pool capacity and an "
                         "error word), to measure its cost")
@@ -115,7 +119,8 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
-        v_rotation=args.v_rotation, q_len=args.q_len, peers=not args.no_peers, seed=args.seed)
+        v_rotation=args.v_rotation, q_len=args.q_len, peers=not args.no_peers, seed=args.seed,
+        copy_bytes=args.ceiling_mib * bench.MiB)
 
 
 def _error(message: str, command: str = "bench") -> None:

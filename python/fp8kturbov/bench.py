@@ -64,6 +64,7 @@ from . import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode
 from ._device import BenchError, Device, cu, driver_call, first_line
 from .arrays import MAX_Q_LEN
 
+MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
     (1, 32768), (1, 131072), (8, 8192), (32, 8192), (128, 2048), (32, 32768), (1, 1024), (8, 4096))
