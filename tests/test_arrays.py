@@ -366,6 +366,21 @@ def test_a_cache_refuses_a_rotation_it_cannot_have(given, layout, match):
         KVCache.wrap(*pools, layout, K_SCALE, v_rotation=given)
 
 
+def test_the_rotation_head_dims_are_the_reference_s():
+    from fp8kturbov import _lib, reference
+    assert _lib.ROTATION_HEAD_DIMS == reference.ROTATION_DIMS
+
+
+def test_the_package_imports_without_ml_dtypes():
+    """ml-dtypes is an extra (the NumPy reference's): the package itself must not need it."""
+    code = ("import sys; sys.modules['ml_dtypes'] = None\n"
+            "import fp8kturbov\n"
+            "try:\n    import fp8kturbov.reference\nexcept ImportError:\n    print('reference: needs ml_dtypes')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "reference: needs ml_dtypes"  # the block above did take effect
+
+
 def test_write_k_scale_override_and_single_row_stride(launches):
     cache = make_cache()
     # One token: torch reports any stride for a dim of size 1; the dense one is passed.

@@ -74,6 +74,11 @@ class VRotation(enum.IntEnum):
     HADAMARD = 1
 
 
+ROTATION_HEAD_DIMS = (128, 256, 512)
+"""The head dims the library accepts with ``VRotation.HADAMARD`` (those FORMAT.md §6 gives signs
+for; ``reference.ROTATION_DIMS``, which needs ml-dtypes)."""
+
+
 class DecodeParams(ctypes.Structure):
     """Mirror of ``fp8kturbov_decode_params_t``."""
 

@@ -61,8 +61,7 @@ import numpy as np
 
 from . import ops
 from ._errors import CudaError, InvalidValueError, Status
-from ._lib import VEncoder, VRotation
-from .reference import ROTATION_DIMS as ROTATION_HEAD_DIMS
+from ._lib import ROTATION_HEAD_DIMS, VEncoder, VRotation
 from .layout import CacheLayout
 
 if TYPE_CHECKING:
