@@ -826,7 +826,7 @@ def _v_rotation(v_rotation: Any, layout: CacheLayout) -> VRotation:
         raise ArgumentError("v_rotation", repr(v_rotation), f"a VRotation or one of {', '.join(map(repr, names))}")
     if v_rotation != VRotation.NONE and layout.head_dim not in ROTATION_HEAD_DIMS:
         raise ArgumentError("v_rotation", v_rotation.name.lower(),
-                            f"none for head_dim {layout.head_dim} (FORMAT.md §6 rotates 128, 256, 512)")
+                            f"none for head_dim {layout.head_dim} (FORMAT.md §6 rotates {ROTATION_HEAD_DIMS})")
     return v_rotation
 
 

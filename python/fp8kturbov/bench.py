@@ -62,6 +62,7 @@ import numpy as np
 from . import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode_workspace_bytes,
                reshape_and_cache, version)
 from ._device import BenchError, Device, cu, driver_call, first_line
+from ._lib import ROTATION_HEAD_DIMS
 from .arrays import MAX_Q_LEN
 
 MiB = 1 << 20
@@ -177,8 +178,8 @@ class Config:
         if self.v_rotation not in V_ROTATION_NAMES:
             problems.append(f"v_rotation {self.v_rotation!r} is not one of {V_ROTATION_NAMES}")
         elif self.v_rotation != "none":
-            problems += [f"v_rotation {self.v_rotation!r} needs head_dim 128, 256 or 512, not {d}"
-                         for d in self.head_dims if d not in (128, 256, 512)]
+            problems += [f"v_rotation {self.v_rotation!r} needs a head_dim in {ROTATION_HEAD_DIMS}, not {d}"
+                         for d in self.head_dims if d not in ROTATION_HEAD_DIMS]
         if not 1 <= self.q_len <= MAX_Q_LEN:
             problems.append(f"q_len = {self.q_len} must be in 1..{MAX_Q_LEN}")
         elif "decode" in self.ops:

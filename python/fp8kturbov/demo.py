@@ -19,6 +19,7 @@ import numpy as np
 
 from . import CacheLayout, VEncoder, VRotation, bench, paged_decode_workspace_bytes, planning
 from ._device import BenchError, Device, cu, driver_call, first_line
+from ._lib import ROTATION_HEAD_DIMS
 
 DEFAULT_SEQ_LENS = (2048, 1500, 640, 37)
 #: Share of the random token rows scaled by OUTLIER_GAIN (in K and V, every KV head).
@@ -168,8 +169,8 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
         raise ValueError(f"--soft-cap {args.soft_cap} must be finite and >= 0")
     case = make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng, args.q_len)
     sinks = (2 * rng.standard_normal(case.q.shape[1])).astype(np.float32) if args.sinks else None
-    if args.v_rotation != "none" and case.layout.head_dim not in (128, 256, 512):
-        raise ValueError(f"--v-rotation {args.v_rotation} needs head_dim 128, 256 or 512, not "
+    if args.v_rotation != "none" and case.layout.head_dim not in ROTATION_HEAD_DIMS:
+        raise ValueError(f"--v-rotation {args.v_rotation} needs a head_dim in {ROTATION_HEAD_DIMS}, not "
                          f"{case.layout.head_dim}")
     return dataclasses.replace(case, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=sinks,
                                v_rotation=args.v_rotation)
