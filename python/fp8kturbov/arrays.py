@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import functools
 import importlib
 import math
@@ -55,7 +56,7 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -817,13 +818,22 @@ def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
             **cache._checked_args())
 
 
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _enum_option(name: str, value: Any, options: type[E]) -> E:
+    """``value`` as a member of the enum ``options``: a member, or a member's lower-case name."""
+    if isinstance(value, options):
+        return value
+    names = [member.name.lower() for member in options]
+    if isinstance(value, str) and value in names:
+        return options[value.upper()]
+    raise ArgumentError(name, repr(value), f"a {options.__name__} or one of {', '.join(map(repr, names))}")
+
+
 def _v_rotation(v_rotation: Any, layout: CacheLayout) -> VRotation:
     """``v_rotation`` as a :class:`VRotation` (or its lower-case name), defined for the layout."""
-    names = [r.name.lower() for r in VRotation]
-    if isinstance(v_rotation, str) and v_rotation in names:
-        v_rotation = VRotation[v_rotation.upper()]
-    if not isinstance(v_rotation, VRotation):
-        raise ArgumentError("v_rotation", repr(v_rotation), f"a VRotation or one of {', '.join(map(repr, names))}")
+    v_rotation = _enum_option("v_rotation", v_rotation, VRotation)
     if v_rotation != VRotation.NONE and layout.head_dim not in ROTATION_HEAD_DIMS:
         raise ArgumentError("v_rotation", v_rotation.name.lower(),
                             f"none for head_dim {layout.head_dim} (FORMAT.md §6 rotates {ROTATION_HEAD_DIMS})")
@@ -831,12 +841,7 @@ def _v_rotation(v_rotation: Any, layout: CacheLayout) -> VRotation:
 
 
 def _v_encoder(v_encoder: Any) -> VEncoder:
-    if isinstance(v_encoder, VEncoder):
-        return v_encoder
-    names = [e.name.lower() for e in VEncoder]
-    if isinstance(v_encoder, str) and v_encoder in names:
-        return VEncoder[v_encoder.upper()]
-    raise ArgumentError("v_encoder", repr(v_encoder), f"a VEncoder or one of {', '.join(map(repr, names))}")
+    return _enum_option("v_encoder", v_encoder, VEncoder)
 
 
 def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, out: Any = None,
