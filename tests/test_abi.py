@@ -265,6 +265,45 @@ def test_params_init_sets_size_and_documented_defaults(tag):
         assert (getattr(params, name) or 0) == expected, name
 
 
+def garbage(nbytes: int) -> ctypes.Array:
+    """``nbytes`` bytes of 0xAB."""
+    buffer = ctypes.create_string_buffer(nbytes)
+    ctypes.memset(buffer, 0xAB, nbytes)
+    return buffer
+
+
+@pytest.mark.parametrize("tag", ["write", "decode", "dequantize"])
+def test_params_init_sized_writes_exactly_the_callers_struct(tag):
+    """Each accepted size (earlier versions and this header's) gets that version's defaults over
+    exactly its bytes: a program built against an older header can run with this library."""
+    mirror = STRUCTS[f"fp8kturbov_{tag}_params"]
+    init_sized = getattr(lib, f"fp8kturbov_{tag}_params_init_sized")
+    full = mirror.from_buffer_copy(b"\xab" * ctypes.sizeof(mirror))
+    getattr(lib, f"fp8kturbov_{tag}_params_init")(ctypes.byref(full))
+    before = set_error_message()
+    for size in [*old_struct_sizes(tag), ctypes.sizeof(mirror)]:
+        buffer = garbage(ctypes.sizeof(mirror) + 64)
+        params = ctypes.cast(buffer, ctypes.POINTER(mirror))
+        assert init_sized(params, size) == Status.SUCCESS
+        assert last_error() == before  # success leaves the message alone
+        assert params.contents.struct_size == size
+        assert buffer.raw[8:size] == bytes(full)[8:size]  # the defaults of that version
+        assert buffer.raw[size:] == b"\xab" * (len(buffer.raw) - size), size  # nothing past it
+
+
+@pytest.mark.parametrize("tag", ["write", "decode", "dequantize"])
+def test_params_init_sized_refuses_unknown_sizes_and_null(tag):
+    mirror = STRUCTS[f"fp8kturbov_{tag}_params"]
+    init_sized = getattr(lib, f"fp8kturbov_{tag}_params_init_sized")
+    for size in (0, 8, old_struct_sizes(tag)[0] - 8, ctypes.sizeof(mirror) + 8, U64_MAX):
+        buffer = garbage(ctypes.sizeof(mirror) + 64)
+        assert init_sized(ctypes.cast(buffer, ctypes.POINTER(mirror)), size) == Status.BAD_STRUCT_SIZE
+        assert f"struct_size = {size}" in last_error()
+        assert buffer.raw == b"\xab" * len(buffer.raw)  # nothing written
+    assert init_sized(None, ctypes.sizeof(mirror)) == Status.NULL_POINTER
+    assert "params is NULL" in last_error()
+
+
 # ---- Layout sizes (FORMAT.md §2, §3) --------------------------------------------------------------
 V_PAGE_SIXTEENTHS = {4: 9, 3: 7, 2: 5}  # FORMAT §3: the V page is 9/7/5 · B·n/16 bytes
 

@@ -102,7 +102,15 @@ typedef enum fp8kturbov_index_error {
  * earlier versions (FP8KTURBOV_*_PARAMS_V1_SIZE: library 0.1, without the checked-mode fields;
  * FP8KTURBOV_{WRITE,DECODE}_PARAMS_V2_SIZE: library 0.2, without v_encoder / sinks, soft_cap
  * and the multi-token fields),
- * whose missing fields read as 0. */
+ * whose missing fields read as 0.
+ *
+ * Initialising a params struct: fp8kturbov_*_params_init writes the whole struct of the library
+ * that runs it, which is only safe for a program built against that library's header (or a
+ * newer one). fp8kturbov_*_params_init_sized(params, sizeof *params) writes exactly the caller's
+ * struct_size bytes, with the defaults of that version: use it where the program may run with a
+ * newer library than its header (a plugin, a system-wide install, another language's binding).
+ * It returns FP8KTURBOV_STATUS_NULL_POINTER or _BAD_STRUCT_SIZE (an unknown size) writing
+ * nothing, else SUCCESS; the last-error message changes on failure only. */
 
 /* ---- V encoders ------------------------------------------------------------------------------ */
 /* How the write chooses a group's codes and scale byte; the bytes format and the decoder are the
@@ -178,6 +186,11 @@ typedef struct fp8kturbov_write_params {
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
 FP8KTURBOV_API void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params);
+/* The same for a struct of struct_size bytes: sizeof(fp8kturbov_write_params_t) of the caller's
+ * header, this one's or an earlier one's (see struct_size above). See "Initialising a params
+ * struct" below. */
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_write_params_init_sized(
+    fp8kturbov_write_params_t* params, size_t struct_size);
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_reshape_and_cache(
     const fp8kturbov_write_params_t* params, fp8kturbov_stream_t stream);
 
@@ -275,6 +288,9 @@ typedef struct fp8kturbov_decode_params {
 /* Fills *params with the defaults (struct_size set, v_bits = 3, sparse_v_threshold = 1e-3,
  * everything else zero). */
 FP8KTURBOV_API void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params);
+/* The same for a struct of struct_size bytes (see fp8kturbov_write_params_init_sized). */
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_decode_params_init_sized(
+    fp8kturbov_decode_params_t* params, size_t struct_size);
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_decode_attn(
     const fp8kturbov_decode_params_t* params, fp8kturbov_stream_t stream);
 /* Workspace BYTES with which `params` (pointers and workspace fields ignored) runs fully split on
@@ -336,6 +352,9 @@ typedef struct fp8kturbov_dequantize_params {
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
 FP8KTURBOV_API void fp8kturbov_dequantize_params_init(fp8kturbov_dequantize_params_t* params);
+/* The same for a struct of struct_size bytes (see fp8kturbov_write_params_init_sized). */
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_dequantize_params_init_sized(
+    fp8kturbov_dequantize_params_t* params, size_t struct_size);
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_dequantize(
     const fp8kturbov_dequantize_params_t* params, fp8kturbov_stream_t stream);
 

@@ -110,13 +110,11 @@ fp8kturbov_status_t check_k_scale(const char* entry, float k_scale) {
       return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "%s is NULL", #field);              \
   } while (0)
 
-// The caller's params struct as this library's: struct_size is this header's size or that of an
-// earlier version of the struct (`versions`, oldest first), whose missing fields read as 0.
+// A params struct size this library knows (`what` names it in the error): this header's, or that of
+// an earlier version of the struct (`versions`, oldest first).
 template <typename Params, size_t VERSIONS>
-fp8kturbov_status_t read_params(const char* entry, const Params* params,
-                                const size_t (&versions)[VERSIONS], Params* out) {
-  if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
-  const size_t given = params->struct_size;
+fp8kturbov_status_t check_struct_size(const char* entry, const char* what, size_t given,
+                                      const size_t (&versions)[VERSIONS]) {
   bool known = given == sizeof(Params);
   char sizes[96];
   int used = 0;
@@ -126,9 +124,42 @@ fp8kturbov_status_t read_params(const char* entry, const Params* params,
   }
   if (!known)
     return fail(FP8KTURBOV_STATUS_BAD_STRUCT_SIZE, entry,
-                "params->struct_size = %zu, this library knows %s%zu", given, sizes, sizeof(Params));
+                "%s = %zu, this library knows %s%zu", what, given, sizes, sizeof(Params));
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// The caller's params struct as this library's; the fields a smaller (earlier) struct lacks read
+// as 0.
+template <typename Params, size_t VERSIONS>
+fp8kturbov_status_t read_params(const char* entry, const Params* params,
+                                const size_t (&versions)[VERSIONS], Params* out) {
+  if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
+  FP8KTURBOV_CHECK(check_struct_size<Params>(entry, "params->struct_size", params->struct_size, versions));
   *out = Params{};
-  std::memcpy(out, params, given);
+  std::memcpy(out, params, params->struct_size);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// The defaults of a params struct (every default lies in the first version of the struct, so a
+// prefix of it is the defaults of that version).
+void set_defaults(fp8kturbov_write_params_t* p) { p->v_bits = 3; }
+void set_defaults(fp8kturbov_dequantize_params_t* p) { p->v_bits = 3; }
+void set_defaults(fp8kturbov_decode_params_t* p) {
+  p->v_bits = 3;
+  p->sparse_v_threshold = 1e-3f;
+}
+
+// *_params_init_sized: the defaults of the struct version of `size` bytes, written over exactly
+// `size` bytes of *params.
+template <typename Params, size_t VERSIONS>
+fp8kturbov_status_t init_params(const char* entry, Params* params, size_t size,
+                                const size_t (&versions)[VERSIONS]) {
+  if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
+  FP8KTURBOV_CHECK(check_struct_size<Params>(entry, "struct_size", size, versions));
+  Params defaults{};
+  set_defaults(&defaults);
+  defaults.struct_size = size;
+  std::memcpy(params, &defaults, size);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 constexpr size_t kWriteParamsVersions[] = {FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8KTURBOV_WRITE_PARAMS_V2_SIZE};
@@ -658,25 +689,34 @@ uint64_t fp8kturbov_v_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uin
 }
 
 void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params) {
-  if (params == nullptr) return;
-  *params = fp8kturbov_write_params_t{};
-  params->struct_size = sizeof(fp8kturbov_write_params_t);
-  params->v_bits = 3;
+  if (params != nullptr)
+    init_params("fp8kturbov_write_params_init", params, sizeof *params, kWriteParamsVersions);
 }
 
 void fp8kturbov_dequantize_params_init(fp8kturbov_dequantize_params_t* params) {
-  if (params == nullptr) return;
-  *params = fp8kturbov_dequantize_params_t{};
-  params->struct_size = sizeof(fp8kturbov_dequantize_params_t);
-  params->v_bits = 3;
+  if (params != nullptr)
+    init_params("fp8kturbov_dequantize_params_init", params, sizeof *params, kDequantizeParamsVersions);
 }
 
 void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params) {
-  if (params == nullptr) return;
-  *params = fp8kturbov_decode_params_t{};
-  params->struct_size = sizeof(fp8kturbov_decode_params_t);
-  params->v_bits = 3;
-  params->sparse_v_threshold = 1e-3f;
+  if (params != nullptr)
+    init_params("fp8kturbov_decode_params_init", params, sizeof *params, kDecodeParamsVersions);
+}
+
+// Unlike the other entry points, the *_init_sized functions leave the last-error message alone when
+// they succeed: filling a struct is not an operation whose outcome a later look at the message
+// should report (the Python layer fills one before it range-checks a call's arguments).
+fp8kturbov_status_t fp8kturbov_write_params_init_sized(fp8kturbov_write_params_t* params, size_t struct_size) {
+  return init_params("fp8kturbov_write_params_init_sized", params, struct_size, kWriteParamsVersions);
+}
+
+fp8kturbov_status_t fp8kturbov_dequantize_params_init_sized(fp8kturbov_dequantize_params_t* params,
+                                                            size_t struct_size) {
+  return init_params("fp8kturbov_dequantize_params_init_sized", params, struct_size, kDequantizeParamsVersions);
+}
+
+fp8kturbov_status_t fp8kturbov_decode_params_init_sized(fp8kturbov_decode_params_t* params, size_t struct_size) {
+  return init_params("fp8kturbov_decode_params_init_sized", params, struct_size, kDecodeParamsVersions);
 }
 
 fp8kturbov_status_t fp8kturbov_reshape_and_cache(const fp8kturbov_write_params_t* params,

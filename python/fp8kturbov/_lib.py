@@ -159,12 +159,16 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fp8kturbov_v_data_section_bytes": (_u64, [_u32, _u32, _u32, _u32]),
     "fp8kturbov_v_page_bytes": (_u64, [_u32, _u32, _u32, _u32]),
     "fp8kturbov_write_params_init": (None, [ctypes.POINTER(WriteParams)]),
+    "fp8kturbov_write_params_init_sized": (_status, [ctypes.POINTER(WriteParams), ctypes.c_size_t]),
     "fp8kturbov_reshape_and_cache": (_status, [ctypes.POINTER(WriteParams), _ptr]),
     "fp8kturbov_decode_params_init": (None, [ctypes.POINTER(DecodeParams)]),
+    "fp8kturbov_decode_params_init_sized": (_status, [ctypes.POINTER(DecodeParams), ctypes.c_size_t]),
     "fp8kturbov_paged_decode_attn": (_status, [ctypes.POINTER(DecodeParams), _ptr]),
     "fp8kturbov_paged_decode_workspace_bytes": (
         _status, [ctypes.POINTER(DecodeParams), ctypes.POINTER(_u64)]),
     "fp8kturbov_dequantize_params_init": (None, [ctypes.POINTER(DequantizeParams)]),
+    "fp8kturbov_dequantize_params_init_sized": (
+        _status, [ctypes.POINTER(DequantizeParams), ctypes.c_size_t]),
     "fp8kturbov_dequantize": (_status, [ctypes.POINTER(DequantizeParams), _ptr]),
     **{f"fp8kturbov_reshape_and_cache_fp8k_turbo{b}v": (_status, WRITE_ARGTYPES) for b in (2, 3, 4)},
     **{f"fp8kturbov_paged_decode_attn_fp8k_turbo{b}v": (_status, DECODE_ARGTYPES) for b in (2, 3, 4)},

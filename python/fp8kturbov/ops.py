@@ -91,11 +91,12 @@ def _fill(params: ctypes.Structure, values: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def _params(params_type: type[ctypes.Structure], init, fields: dict[str, Any]) -> ctypes.Structure:
-    """A ``params_type`` struct set to its defaults by the C ``init``, then to ``fields`` (each
-    range-checked by its C type)."""
+def _params(params_type: type[ctypes.Structure], init_sized, fields: dict[str, Any]) -> ctypes.Structure:
+    """A ``params_type`` struct set to its defaults by the C ``init_sized`` (``*_params_init_sized``:
+    it writes this struct's size only, whichever library version runs it), then to ``fields``
+    (each range-checked by its C type)."""
     params = params_type()
-    init(ctypes.byref(params))
+    check(init_sized(ctypes.byref(params), ctypes.sizeof(params_type)))
     _fill(params, fields)
     return params
 
@@ -118,7 +119,7 @@ def reshape_and_cache(
     holds (0 = unchecked), ``error_flags`` the device address of a 4-byte aligned uint32 word
     (e.g. :attr:`fp8kturbov.ErrorWord.ptr`) the kernel ORs :class:`~fp8kturbov.IndexErrorFlags`
     bits into; read it with :func:`fp8kturbov.check_errors`."""
-    params = _params(WriteParams, lib.fp8kturbov_write_params_init, dict(locals()))
+    params = _params(WriteParams, lib.fp8kturbov_write_params_init_sized, dict(locals()))
     check(lib.fp8kturbov_reshape_and_cache(ctypes.byref(params), stream_handle(stream)))
 
 
@@ -133,12 +134,12 @@ def dequantize(
     header. ``key``/``value`` are written at ``t*key_stride`` / ``t*value_stride`` (ELEMENTS).
     ``num_blocks`` (pages per pool), ``error_flags`` (device address): checked mode, as in
     :func:`reshape_and_cache`."""
-    params = _params(DequantizeParams, lib.fp8kturbov_dequantize_params_init, dict(locals()))
+    params = _params(DequantizeParams, lib.fp8kturbov_dequantize_params_init_sized, dict(locals()))
     check(lib.fp8kturbov_dequantize(ctypes.byref(params), stream_handle(stream)))
 
 
 def _decode_params(fields: dict[str, Any]) -> DecodeParams:
-    return _params(DecodeParams, lib.fp8kturbov_decode_params_init, fields)
+    return _params(DecodeParams, lib.fp8kturbov_decode_params_init_sized, fields)
 
 
 def paged_decode_attn(
