@@ -51,11 +51,11 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&bytes)
   }
 }
 
-// Copies the codebook levels into shared memory for the CTA: the codes differ between threads,
-// and constant memory serialises a warp's reads of different addresses.
+// Copies the codebook into the CTA's shared table (CodebookTable), then a CTA barrier.
 template <int BITS>
-__device__ __forceinline__ void load_levels(float (&levels_s)[1 << BITS]) {
-  if (threadIdx.x < (1 << BITS)) levels_s[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
+__device__ __forceinline__ void load_codebook(CodebookTable<BITS>& table) {
+  if (threadIdx.x < (1 << BITS)) table.levels[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
+  if (threadIdx.x < (1 << BITS) - 1) table.bounds[threadIdx.x] = Codebook<BITS>::bounds()[threadIdx.x];
   __syncthreads();
 }
 
@@ -110,8 +110,8 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
     load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_loads, k);
     load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_loads, x);
   }
-  __shared__ float levels_s[1 << BITS];
-  load_levels<BITS>(levels_s);  // a CTA barrier: every thread reaches it
+  __shared__ CodebookTable<BITS> codebook_s;
+  load_codebook<BITS>(codebook_s);  // a CTA barrier: every thread reaches it
   if (slot < 0) return;  // no token, or padding: writes nothing (FORMAT §4)
   const uint64_t page = uint64_t(slot) / a.block_size;
   const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
@@ -135,9 +135,9 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   }
   EncodedGroup<BITS> enc;
   if constexpr (MSE_LANES > 0)
-    enc = encode_v_group_mse<BITS, MSE_LANES>(x, levels_s);
+    enc = encode_v_group_mse<BITS, MSE_LANES>(x, codebook_s);
   else
-    enc = encode_v_group<BITS>(x, levels_s);
+    enc = encode_v_group<BITS>(x, codebook_s);
   if (!writes) return;
   uint8_t packed[2 * BITS];
   pack_group<BITS>(enc.codes, packed);
