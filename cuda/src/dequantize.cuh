@@ -4,7 +4,7 @@
 
 #include "format.cuh"
 #include "kernel_args.h"
-#include "reshape_and_cache.cuh"  // load_levels, token_group_of_thread
+#include "reshape_and_cache.cuh"  // load_codebook, token_group_of_thread
 
 namespace fp8kturbov {
 
@@ -31,8 +31,8 @@ __device__ __forceinline__ void store_bf16_group(uint16_t* dst, bool vector_stor
 // One thread per (token, 16-element group), like the write.
 template <int BITS>
 __global__ void __launch_bounds__(kWriteThreads) dequantize_kernel(const DequantizeArgs a) {
-  __shared__ float levels_s[1 << BITS];
-  load_levels<BITS>(levels_s);
+  __shared__ CodebookTable<BITS> codebook_s;
+  load_codebook<BITS>(codebook_s);
   uint64_t token;
   uint32_t group;
   token_group_of_thread(a.row_elems, token, group);
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kWriteThreads) dequantize_kernel(const Dequant
     for (int j = 0; j < 2 * BITS; ++j) codes[j] = __ldg(v_page + layout.data_offset(offset, group, BITS) + j);
     const float scale = e4m3_decode(__ldg(v_page + layout.scale_offset(offset, group)));
 #pragma unroll
-    for (int i = 0; i < kGroupElems; ++i) v[i] = __fmul_rn(levels_s[unpack_code<BITS>(codes, i)], scale);
+    for (int i = 0; i < kGroupElems; ++i) v[i] = __fmul_rn(codebook_s.levels[unpack_code<BITS>(codes, i)], scale);
   }
   store_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_stores, k);
   store_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_stores, v);

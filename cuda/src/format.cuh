@@ -89,12 +89,30 @@ __device__ __forceinline__ float e4m3_decode(uint8_t byte) {
   return static_cast<float>(v);
 }
 
+// The codebook where the threads of a warp read different entries at once: kernels keep a copy in
+// shared memory, since constant memory serialises a warp's reads of different addresses.
+template <int BITS>
+struct CodebookTable {
+  float levels[1 << BITS];
+  float bounds[(1 << BITS) - 1];
+};
+
+// FORMAT §3.2 step 3: the code of y, the number of bounds that y reaches (y >= bound), by binary
+// search over the ascending bounds: BITS comparisons instead of 2^BITS - 1. The count is the same,
+// bit for bit: y >= bound holds for a prefix of the bounds (for none where y is NaN).
+template <int BITS>
+__device__ __forceinline__ uint32_t code_of(float y, const CodebookTable<BITS>& table) {
+  uint32_t code = 0;
+#pragma unroll
+  for (uint32_t step = 1u << (BITS - 1); step > 0; step >>= 1)
+    if (y >= table.bounds[code + step - 1]) code += step;
+  return code;
+}
+
 // FORMAT §3.2: the reference "matched-norm" encoder for one group of 16 values.
 // Arithmetic is explicit round-to-nearest without fused multiply-add and the sums run
 // sequentially, which makes the bytes identical to the original engine's (built with
-// --fmad=false) and to the NumPy reference. `levels` holds Codebook<BITS>::levels(), in memory
-// the caller chooses: the codes differ between threads, and constant memory serialises a warp's
-// reads of different addresses, so kernels pass a shared-memory copy.
+// --fmad=false) and to the NumPy reference.
 template <int BITS>
 struct EncodedGroup {
   uint8_t codes[kGroupElems];
@@ -103,7 +121,7 @@ struct EncodedGroup {
 
 template <int BITS>
 __device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kGroupElems],
-                                                             const float* levels) {
+                                                             const CodebookTable<BITS>& table) {
   using CB = Codebook<BITS>;
   float n2 = 0.0f;
   float amax = 0.0f;
@@ -118,12 +136,9 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kG
   float r2 = 0.0f;
 #pragma unroll
   for (int i = 0; i < kGroupElems; ++i) {
-    const float y = __fmul_rn(x[i], inv);
-    uint8_t code = 0;
-#pragma unroll
-    for (int b = 0; b < (1 << BITS) - 1; ++b) code += (y >= CB::bounds()[b]) ? 1 : 0;
-    out.codes[i] = code;
-    const float level = levels[code];
+    const uint32_t code = code_of<BITS>(__fmul_rn(x[i], inv), table);
+    out.codes[i] = uint8_t(code);
+    const float level = table.levels[code];
     r2 = __fadd_rn(r2, __fmul_rn(level, level));
   }
   const float root_r2 = __fsqrt_rn(r2);
@@ -152,19 +167,15 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kG
 // stops where low exceeds it.
 template <int BITS>
 __device__ __forceinline__ float mse_candidate_error(const float (&x)[kGroupElems], uint32_t byte,
-                                                     const float* levels, uint64_t& codes) {
-  using CB = Codebook<BITS>;
+                                                     const CodebookTable<BITS>& table, uint64_t& codes) {
   const float s = e4m3_decode(uint8_t(byte));
   codes = 0;  // code i at bits [BITS·i, BITS·i + BITS)
   float err = 0.0f;
 #pragma unroll
   for (int i = 0; i < kGroupElems; ++i) {
-    const float y = byte == 0 ? x[i] : __fdiv_rn(x[i], s);
-    uint32_t code = 0;
-#pragma unroll
-    for (int b = 0; b < (1 << BITS) - 1; ++b) code += (y >= CB::bounds()[b]) ? 1 : 0;
+    const uint32_t code = code_of<BITS>(byte == 0 ? x[i] : __fdiv_rn(x[i], s), table);
     codes |= uint64_t(code) << (BITS * i);
-    const float d = __fsub_rn(x[i], __fmul_rn(levels[code], s));
+    const float d = __fsub_rn(x[i], __fmul_rn(table.levels[code], s));
     err = __fadd_rn(err, __fmul_rn(d, d));
   }
   return err;
@@ -184,11 +195,11 @@ __device__ __forceinline__ uint32_t first_scale_byte(uint32_t begin, Predicate p
 // LANES = 32: called by all 32 lanes of a warp with the same x; every lane gets the encoding.
 template <int BITS, int LANES>
 __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x)[kGroupElems],
-                                                                 const float* levels) {
+                                                                 const CodebookTable<BITS>& table) {
   static_assert(BITS * kGroupElems <= 64, "a group's codes fit one 64-bit word");
   static_assert(LANES == 1 || LANES == 32, "a thread or a warp per group");
   const uint32_t lane = LANES == 1 ? 0 : threadIdx.x % 32;
-  const EncodedGroup<BITS> matched_norm = encode_v_group<BITS>(x, levels);
+  const EncodedGroup<BITS> matched_norm = encode_v_group<BITS>(x, table);
   float amax = 0.0f;
   bool finite = true;
 #pragma unroll
@@ -198,10 +209,10 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x
   }
   if (!finite) return matched_norm;  // every candidate's error is NaN or +inf
 
-  const float l_min = levels[1 << (BITS - 1)];  // the levels are symmetric about zero
-  const float k_max = levels[(1 << BITS) - 1];
+  const float l_min = table.levels[1 << (BITS - 1)];  // the levels are symmetric about zero
+  const float k_max = table.levels[(1 << BITS) - 1];
   uint64_t codes;
-  float limit = __fmul_rn(1.001f, mse_candidate_error<BITS>(x, matched_norm.scale_byte, levels, codes));
+  float limit = __fmul_rn(1.001f, mse_candidate_error<BITS>(x, matched_norm.scale_byte, table, codes));
   auto clip_passes = [&](uint32_t byte) {  // +inf limit (no finite error known): every byte passes
     const float clip = fmaxf(__fsub_rn(amax, __fmul_rn(__fmul_rn(k_max, e4m3_decode(uint8_t(byte))), 1.00001f)), 0.0f);
     return __fmul_rn(clip, clip) <= limit;
@@ -226,7 +237,7 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x
   uint64_t best_codes = 0;
   for (uint32_t byte = first + lane; byte < end; byte += LANES) {
     if (LANES == 1 && low_fails(byte)) break;  // with the tightened bound: no later byte can win
-    const float err = mse_candidate_error<BITS>(x, byte, levels, codes);
+    const float err = mse_candidate_error<BITS>(x, byte, table, codes);
     if (err < best_err) {
       best_err = err;
       best_byte = byte;

@@ -51,11 +51,11 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&bytes)
   }
 }
 
-// Copies the codebook levels into shared memory for the CTA: the codes differ between threads,
-// and constant memory serialises a warp's reads of different addresses.
+// Copies the codebook into the CTA's shared table (CodebookTable), then a CTA barrier.
 template <int BITS>
-__device__ __forceinline__ void load_levels(float (&levels_s)[1 << BITS]) {
-  if (threadIdx.x < (1 << BITS)) levels_s[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
+__device__ __forceinline__ void load_codebook(CodebookTable<BITS>& table) {
+  if (threadIdx.x < (1 << BITS)) table.levels[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
+  if (threadIdx.x < (1 << BITS) - 1) table.bounds[threadIdx.x] = Codebook<BITS>::bounds()[threadIdx.x];
   __syncthreads();
 }
 
@@ -95,20 +95,24 @@ __device__ __forceinline__ void rotate_head(uint32_t head_dim, float (&x)[kGroup
 template <int BITS, int MSE_LANES>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
   constexpr uint32_t kThreadsPerGroup = MSE_LANES > 0 ? MSE_LANES : 1;
-  __shared__ float levels_s[1 << BITS];
-  load_levels<BITS>(levels_s);
   uint64_t token;
   uint32_t group;
   token_group_of_thread<kThreadsPerGroup>(a.row_elems, token, group);
   const bool writes = threadIdx.x % kThreadsPerGroup == 0;
-  if (token >= a.num_tokens) return;
-  // The slot and both input groups are loaded before anything waits on them: for a few tokens
-  // the write is one memory round trip plus the encoding.
-  const int64_t slot = __ldg(a.slot_mapping + token);
+  const bool has_token = token < a.num_tokens;
+  // The slot and both input groups are requested first, and the level table is copied while they
+  // are in flight (the barrier does not wait for them): for a few tokens the write is one memory
+  // round trip plus the encoding.
+  int64_t slot = -1;
   float k[kGroupElems], x[kGroupElems];
-  load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_loads, k);
-  load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_loads, x);
-  if (slot < 0) return;  // padding: writes nothing (FORMAT §4)
+  if (has_token) {
+    slot = __ldg(a.slot_mapping + token);
+    load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_loads, k);
+    load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_loads, x);
+  }
+  __shared__ CodebookTable<BITS> codebook_s;
+  load_codebook<BITS>(codebook_s);  // a CTA barrier: every thread reaches it
+  if (slot < 0) return;  // no token, or padding: writes nothing (FORMAT §4)
   const uint64_t page = uint64_t(slot) / a.block_size;
   const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
   if (a.index_check.slot_page_out_of_range(page)) {  // checked mode: skip the token
@@ -131,9 +135,9 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   }
   EncodedGroup<BITS> enc;
   if constexpr (MSE_LANES > 0)
-    enc = encode_v_group_mse<BITS, MSE_LANES>(x, levels_s);
+    enc = encode_v_group_mse<BITS, MSE_LANES>(x, codebook_s);
   else
-    enc = encode_v_group<BITS>(x, levels_s);
+    enc = encode_v_group<BITS>(x, codebook_s);
   if (!writes) return;
   uint8_t packed[2 * BITS];
   pack_group<BITS>(enc.codes, packed);
