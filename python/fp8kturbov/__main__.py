@@ -107,6 +107,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
     parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    parser.add_argument("--no-timing-gate", action="store_true",
+                        help="queue the timed launches without holding the stream (short launches "
+                        "then include host time); for runs under tools that keep a launch from returning "
+                        "while its stream waits: with the gate, the bench never finished under "
+                        "compute-sanitizer --tool initcheck")
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="write a roofline plot (needs matplotlib)")
 
@@ -137,7 +142,7 @@ def run_bench(args: argparse.Namespace) -> int:
         _error(str(exc))
         return 2
     try:
-        with bench.Device() as dev:
+        with bench.Device(timing_gate=not args.no_timing_gate) as dev:
             device = bench.describe_device(dev)
             rows = bench.run_benchmarks(config, device=dev, show_progress=not args.no_progress)
     except (bench.BenchError, Fp8kturbovError) as exc:

@@ -29,10 +29,12 @@ the reported time is the median over samples. The samples are queued behind a ga
 waits with ``cuStreamWaitValue32`` on a device word that a second stream writes once a chunk of
 samples is queued), so the GPU runs them back to back and the host's cost of launching is not
 timed (on an H200 the launch floor reads 2.4 µs so, 4.3 µs without the gate). Where the driver
-refuses stream memory operations the gate is off (``timing_gate`` in the device dict) and short
-launches then include some host time. Input sets rotate so that
-consecutive launches read different memory; a row whose sets together fit in L2 is marked
-"L2" and its bandwidth may exceed the ceiling (the H200's L2 holds 60 MB: the short shapes fit).
+refuses stream memory operations, or when asked (``Device(timing_gate=False)``,
+``--no-timing-gate``: under compute-sanitizer's initcheck, gated runs never finished), the gate is
+off (``timing_gate`` in the device dict) and short launches then include some host time. Input
+sets rotate so that consecutive launches read different memory; a row whose sets together fit in
+L2 is marked "L2" and its bandwidth may exceed the ceiling (the H200's L2 holds 60 MB: the short
+shapes fit).
 
 Units
 -----
