@@ -233,6 +233,34 @@ def test_time_launches_rotates_sets_and_gates_chunks():
     assert dev.log.count("hold") == dev.log.count("open") == -(-70 // bench.GATE_CHUNK)
 
 
+class FakeGraphDevice(FakeDevice):
+    """FakeDevice with graphs: a graph is the list of the nodes enqueued while it was captured;
+    replaying it advances the clock by their durations."""
+
+    def __init__(self, durations) -> None:
+        super().__init__()
+        self.durations, self.graphs, self._captured = durations, [], None
+
+    def node(self, index):
+        self._captured.append(index)
+
+    def capture(self, enqueue):
+        self._captured = []
+        enqueue()
+        self.graphs.append(self._captured)
+        return self._captured
+
+    def launch(self, graph):
+        self.clock += sum(self.durations[i] for i in graph)
+
+
+def test_time_graph_chain_times_one_graph_of_many_launches_per_launch():
+    dev = FakeGraphDevice([1.0, 3.0])
+    timing = bench.time_graph_chain(dev, [lambda: dev.node(0), lambda: dev.node(1)], iters=8, warmup=1)
+    assert dev.graphs == [[0, 1] * (bench.GRAPH_CHAIN // 2)]  # the input sets rotate inside it
+    assert timing == bench.Timing(2.0, 2.0, 8)
+
+
 def test_replicate_fills_with_few_copies():
     pattern = np.arange(3 * 16, dtype=np.uint8)  # three 16-byte "pages"
     dev = FakeDevice(1000 * 16 + 64)
@@ -289,10 +317,11 @@ def fake_rows() -> list[dict]:
     read.record(bench.Timing.of([500.0] * 30), bench.gbps(read.bytes, 500.0))
     copy = bench.Result(op="copy", shape="2 GiB DtoD", bytes=4 * bench.GiB)
     copy.record(bench.Timing.of([1100.0] * 30), read.gbps)
-    launch = bench.Result(op="launch", shape="empty-kernel graph", bytes=0)
+    launch = bench.Result(op="launch", shape="empty-kernel graph", bytes=0, in_graph_us=1.25)
     launch.record(bench.Timing.of([2.5]), read.gbps)
     decode = bench.Result.for_shape(D128_3BIT)
     decode.record(bench.Timing.of([14.0, 15.0]), read.gbps)
+    decode.in_graph_us = 12.75
     decode.peers = {"bf16_sdpa": {"status": "ok", **bench.measured(
         bench.peer_bytes(D128_3BIT, 2), bench.Timing.of([50.0]), read.gbps)},
         "fp8_flashinfer": {"status": "absent"}}
@@ -314,17 +343,18 @@ def test_report_has_the_table_ceiling_floor_and_context():
     report = bench.format_report(fake_rows(), DEVICE, bench.Config())
     lines = report.splitlines()
     assert lines[0].split() == ["op", "bits", "shape", "D", "us", "GB/s", "%", "ceil", "floor",
-                                "us", "bf16", "us", "fp8", "us", "note"]
+                                "us", "in-graph", "us", "bf16", "us", "fp8", "us", "note"]
     decode = next(line for line in lines if "1x32768" in line).split()
     assert decode[:5] == ["decode", "3", "1x32768", "128", "14.50"]
-    assert decode[-2:] == ["50.00", "absent"]
+    assert decode[-3:] == ["12.75", "50.00", "absent"]
     assert any(line.split()[:3] == ["write", "3", "16"] and line.endswith("L2") for line in lines)
     assert "decode 32x32768 D128 4b: skipped: needs 200.0 GiB, 100.0 GiB free" in lines
     assert "decode 32x32768 D128 bf16_sdpa: skipped: needs 24.0 GiB, 1.0 GiB free" in lines
     assert any(line.startswith("read bandwidth: 4295 GB/s (2 GiB read, median of 30): the ceiling")
                for line in lines)
     assert "copy bandwidth (read+write): 3905 GB/s (2 GiB DtoD, median of 30)" in lines
-    assert "launch floor: 2.50 us (empty-kernel graph)" in lines
+    assert ("launch floor: 2.50 us (empty-kernel graph); in a graph of 32 launches 1.25 us per "
+            "launch, the 'in-graph us' of the rows") in lines
     assert lines[-1] == ("commit abc1234 | Test GPU | driver 580.1 (CUDA 13.0) | "
                          "2026-01-01T00:00:00+00:00")
     assert not any("timing gate" in line for line in lines)
@@ -418,6 +448,7 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
     monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
     monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
     monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
+    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
     monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling:
                         peer_runs.append((name, shape.q_len)) or {"status": "absent"})
     for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_flashinfer", 1)])]:
@@ -425,7 +456,8 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
         config = bench.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), q_len=q_len)
         (shape,) = bench.build_cases(config)
         result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
-        assert (result.q_len, result.median_us) == (q_len, 9.0) and peer_runs == peers_run
+        assert (result.q_len, result.median_us, result.in_graph_us) == (q_len, 9.0, 7.0)
+        assert peer_runs == peers_run
         assert set(result.peers) == {name for name, _ in peers_run}
 
 
@@ -597,6 +629,8 @@ def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
     assert [row["samples"] for row in rows] == [bench.COPY_ITERS, bench.COPY_ITERS, 5, 5, 5]
     assert all(row["median_us"] > 0 for row in rows)
     assert all(row["gbps"] > 0 for row in rows if row["op"] != "launch")  # an empty kernel moves 0 bytes
+    assert [row["in_graph_us"] is not None and row["in_graph_us"] > 0 for row in rows] == [False, False, True,
+                                                                                          True, True]
     assert rows[3]["bytes"] == bench.launch_bytes(bench.build_cases(config)[0])
     assert set(rows[3]["peers"]) == set(bench.PEERS)
     for peer in rows[3]["peers"].values():

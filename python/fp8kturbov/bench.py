@@ -19,6 +19,9 @@ What is measured
 * **launch floor**: a CUDA graph holding one empty kernel (one warp, ``cuda/bench``), timed exactly
   like the library's launches: the smallest time this method reports for any launch.
 * **decode / write**: one library launch per CUDA graph (one graph per input set), replayed.
+* **in-graph time** (``in_graph_us``, also of the launch floor): one CUDA graph of 32 launches
+  back to back, rotating the input sets, replayed; its time divided by 32. That is what a launch
+  costs inside an engine's captured decode step: a graph node, without a graph launch of its own.
 * **peers** (decode only, shared by the rows of one shape whatever the V bits): torch's
   ``scaled_dot_product_attention`` over contiguous BF16 K/V (``bf16_sdpa``) and flashinfer's
   paged decode over an FP8 E4M3 cache (``fp8_flashinfer``), each "absent" when not importable;
@@ -84,6 +87,10 @@ V_ROTATION_NAMES = tuple(rotation.name.lower() for rotation in VRotation)
 E4M3_MAX = 448.0
 BF16_BYTES = 2
 COPY_ITERS, COPY_WARMUP = 30, 3  # timed and warm-up runs of the ceiling's read and copy
+#: Launches per graph for the in-graph time. An engine captures a whole decode step (every layer's
+#: write and decode) in one graph, where a launch costs a graph node rather than a graph launch.
+#: A sample of the chain averages this many launches, so it gets a quarter of `Config.iters`.
+GRAPH_CHAIN = 32
 READ_CTAS_PER_SM = 8  # CTAs of the read kernel per SM: 2048 threads, a full SM
 #: Samples queued behind one gate. Kept small: were the launch queue to fill while the stream
 #: waits, the host would block inside a launch and never open the gate.
@@ -360,6 +367,10 @@ class Timing:
     def of(cls, samples_us: Sequence[float]) -> Timing:
         return cls(statistics.median(samples_us), min(samples_us), len(samples_us))
 
+    def per_launch(self, launches: int) -> Timing:
+        """The times of samples that each ran ``launches`` launches, per launch."""
+        return Timing(self.median_us / launches, self.min_us / launches, self.samples)
+
 
 def measured(nbytes: int, timing: Timing, ceiling_gbps: float) -> dict[str, Any]:
     """The numbers of ``timing`` for a launch moving ``nbytes``: times (µs), GB/s, % of ceiling."""
@@ -390,6 +401,7 @@ class Result:
     gbps: float | None = None
     pct_of_ceiling: float | None = None
     floor_us: float | None = None
+    in_graph_us: float | None = None  # per launch, GRAPH_CHAIN of them in one graph (median)
     note: str = ""
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -425,6 +437,19 @@ def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: in
                 dev.record(events[2 * i + 1])
     dev.synchronize()
     return Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)])
+
+
+def time_graph_chain(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
+                     warmup: int) -> Timing:
+    """Per-launch times, µs, inside one CUDA graph of `GRAPH_CHAIN` launches back to back (launch
+    ``i`` from ``enqueues[i % len(enqueues)]``): `time_launches` of its replays, each sample divided
+    by `GRAPH_CHAIN`. Assumes ``enqueues`` ran once already (`time_graphs` does that)."""
+    def chain() -> None:
+        for i in range(GRAPH_CHAIN):
+            enqueues[i % len(enqueues)]()
+
+    graph = dev.capture(chain)
+    return time_launches(dev, [functools.partial(dev.launch, graph)], iters, warmup).per_launch(GRAPH_CHAIN)
 
 
 def time_graphs(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
@@ -808,12 +833,21 @@ def measure_ceiling(dev: Device, config: Config) -> tuple[Result, Result]:
     return read, copy
 
 
+def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[], None]],
+                    config: Config, ceiling_gbps: float) -> None:
+    """Time ``enqueues`` (one per input set) one launch per graph replay, the row's times, and
+    `GRAPH_CHAIN` launches per graph, its ``in_graph_us``."""
+    result.record(time_graphs(dev, enqueues, config.iters, config.warmup), ceiling_gbps)
+    chain = time_graph_chain(dev, enqueues, max(1, config.iters // 4), min(config.warmup, 2))
+    result.in_graph_us = chain.median_us
+
+
 def measure_launch_floor(dev: Device, config: Config, ceiling_gbps: float) -> Result:
-    """The launch floor: graph replays of one empty kernel, timed like the library's launches."""
+    """The launch floor: one empty kernel, timed like the library's launches."""
     result = Result(op="launch", shape="empty-kernel graph", bytes=0)
     with dev.scope():
-        result.record(time_graphs(dev, [functools.partial(_bench_kernels.empty, int(dev.stream))],
-                                  config.iters, config.warmup), ceiling_gbps)
+        record_launches(result, dev, [functools.partial(_bench_kernels.empty, int(dev.stream))], config,
+                        ceiling_gbps)
     return result
 
 
@@ -844,8 +878,7 @@ class _Runner:
                 enqueues = decode_enqueues(self.dev, shape, self.config, self.chunk(shape), self.rng)
             else:
                 enqueues = write_enqueues(self.dev, shape, self.config, self.rng)
-            result.record(time_graphs(self.dev, enqueues, self.config.iters, self.config.warmup),
-                          self.ceiling)
+            record_launches(result, self.dev, enqueues, self.config, self.ceiling)
         if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
             result.note = "L2"
         if shape.op == "decode" and self.config.peers and shape.q_len == 1:
@@ -936,8 +969,8 @@ def _peer_cell(peer: dict[str, Any] | None) -> str:
     return peer["status"].split(":", 1)[0]  # the reason is listed under the table
 
 
-TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "bf16 us",
-                 "fp8 us", "note")
+TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "in-graph us",
+                 "bf16 us", "fp8 us", "note")
 
 
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -945,7 +978,7 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
-             _peer_cell(row["peers"].get("bf16_sdpa")), _peer_cell(row["peers"].get("fp8_flashinfer")),
+             format_number(row["in_graph_us"], 2), _peer_cell(row["peers"].get("bf16_sdpa")), _peer_cell(row["peers"].get("fp8_flashinfer")),
              row["note"].split(":", 1)[0])
             for row in rows if row["op"] in OPS]
 
@@ -985,7 +1018,9 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
                      f"({copy['shape']}, median of {copy['samples']})")
     if "launch" in by_op:
         launch = by_op["launch"]
-        lines.append(f"launch floor: {format_number(launch['median_us'], 2)} us ({launch['shape']})")
+        lines.append(f"launch floor: {format_number(launch['median_us'], 2)} us ({launch['shape']}); "
+                     f"in a graph of {GRAPH_CHAIN} launches {format_number(launch['in_graph_us'], 2)} us "
+                     "per launch, the 'in-graph us' of the rows")
     lines.append(f"q_heads {config.num_q_heads}, kv_heads {config.num_kv_heads}, block_size "
                  f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
                  f"{'checked mode' if config.checked else 'unchecked'}{_options_text(config)}; "
@@ -1054,6 +1089,8 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "gbps": float|null      bytes / median, 1e9 B/s,
                    "pct_of_ceiling": float|null,
                    "floor_us": float|null  bytes / ceiling, µs,
+                   "in_graph_us": float|null  per launch, median over replays of one graph of
+                                           GRAPH_CHAIN (32) launches back to back, µs,
                    "note": ""|"L2"|"skipped: <why>",
                    "peers": {"bf16_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
