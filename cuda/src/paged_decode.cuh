@@ -790,18 +790,26 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
+    // Column h's maximum over the streams, and stream st's weight under it.
+    auto streams_max = [&](int h) {
+      float m = -INFINITY;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
+      return m;
+    };
+    auto stream_weight = [&](int st, int h, float m) {
+      // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+      return m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+    };
     // Column h's output element d merged over the streams (fixed order), its maximum m and
     // denominator l.
     auto merge_streams = [&](int h, int d, float& m, float& l) {
-      m = -INFINITY;
-  #pragma unroll
-      for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
+      m = streams_max(h);
       float o = 0.0f;
       l = 0.0f;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) {
-        // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
-        const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+        const float w = stream_weight(st, h, m);
         o += w * o_s[st][h][d];
         l += w * denom_s[st][h];
       }
@@ -829,8 +837,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       const int h = i / HEAD_DIM;
       const int d = i % HEAD_DIM;
       float m, l;
-      float o = merge_streams(h, d, m, l);
-      if (rotate_back) o = o_s[0][h][d];
+      float o;
+      if (rotate_back) {  // the merged row is in o_s[0], rotated back: only m and l are left to merge
+        m = streams_max(h);
+        l = 0.0f;
+  #pragma unroll
+        for (int st = 0; st < S::kStreams; ++st) l += stream_weight(st, h, m) * denom_s[st][h];
+        o = o_s[0][h][d];
+      } else {
+        o = merge_streams(h, d, m, l);
+      }
       const uint32_t token = column_token(h);
       const uint32_t head = column_head(h);
       if (plan.num_splits == 1) {
