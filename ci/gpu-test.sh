@@ -65,9 +65,9 @@ else
   job=0
   for tool in "${tools[@]}"; do
     if [[ $tool == initcheck ]]; then
-      # Several initcheck processes on one GPU break each other's runs: 8 at once over the
-      # multi-threaded write test failed 5 of 16 times (CUDA_ERROR_ILLEGAL_ADDRESS, or reads of
-      # uploaded inputs reported uninitialized), one at a time 0 of 12, memcheck 8 at once 0 of 8.
+      # Several initcheck processes on one GPU disturb each other's runs: 6 or 8 at once over the
+      # multi-threaded write test, 3 of 14 runs failed with CUDA_ERROR_ILLEGAL_ADDRESS or reported
+      # uploaded inputs as uninitialized; one at a time, 0 of 6 (memcheck, 8 at once: 0 of 8).
       # So each GPU runs its initcheck shards one after another.
       for g in "${!gpu_list[@]}"; do
         (
