@@ -259,6 +259,8 @@ def test_time_graph_chain_times_one_graph_of_many_launches_per_launch():
     timing = bench.time_graph_chain(dev, [lambda: dev.node(0), lambda: dev.node(1)], iters=8, warmup=1)
     assert dev.graphs == [[0, 1] * (bench.GRAPH_CHAIN // 2)]  # the input sets rotate inside it
     assert timing == bench.Timing(2.0, 2.0, 8)
+    # A replay queues GRAPH_CHAIN kernels: one per gate, as many as a gate's chunk of single launches.
+    assert dev.log.count("hold") == dev.log.count("open") == 8
 
 
 def test_replicate_fills_with_few_copies():

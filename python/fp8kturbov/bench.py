@@ -422,16 +422,17 @@ class Result:
 
 
 def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: int,
-                  warmup: int) -> Timing:
+                  warmup: int, gate_chunk: int = GATE_CHUNK) -> Timing:
     """Per-launch times, µs: ``warmup`` untimed launches, then ``iters`` event-timed samples,
-    sample ``i`` being ``launches[i % len(launches)]()`` (which must enqueue on ``dev.stream``)."""
+    sample ``i`` being ``launches[i % len(launches)]()`` (which must enqueue on ``dev.stream``),
+    ``gate_chunk`` of them queued behind each gate."""
     for i in range(warmup):
         launches[i % len(launches)]()
     dev.synchronize()
     events = dev.events(2 * iters)
-    for first in range(0, iters, GATE_CHUNK):
+    for first in range(0, iters, gate_chunk):
         with dev.gate():
-            for i in range(first, min(first + GATE_CHUNK, iters)):
+            for i in range(first, min(first + gate_chunk, iters)):
                 dev.record(events[2 * i])
                 launches[i % len(launches)]()
                 dev.record(events[2 * i + 1])
@@ -449,7 +450,10 @@ def time_graph_chain(dev: Device, enqueues: Sequence[Callable[[], None]], iters:
             enqueues[i % len(enqueues)]()
 
     graph = dev.capture(chain)
-    return time_launches(dev, [functools.partial(dev.launch, graph)], iters, warmup).per_launch(GRAPH_CHAIN)
+    # One replay per gate: it queues as many kernels as a gate's chunk of single launches.
+    timing = time_launches(dev, [functools.partial(dev.launch, graph)], iters, warmup,
+                           gate_chunk=max(1, GATE_CHUNK // GRAPH_CHAIN))
+    return timing.per_launch(GRAPH_CHAIN)
 
 
 def time_graphs(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
@@ -825,8 +829,8 @@ def measure_ceiling(dev: Device, config: Config) -> tuple[Result, Result]:
         src, dst, sink = dev.alloc(n), dev.alloc(n), dev.alloc(4)
         dev.memset(src, 1, n)  # touch both buffers before timing
         dev.memset(dst, 0, n)
-        timing = time_launches(dev, [functools.partial(_bench_kernels.read, int(dev.stream), src, n, sink, ctas)],
-                               COPY_ITERS, COPY_WARMUP)
+        read_once = functools.partial(_bench_kernels.read, int(dev.stream), src, n, sink, ctas)
+        timing = time_launches(dev, [read_once], COPY_ITERS, COPY_WARMUP)
         read.record(timing, gbps(read.bytes, timing.median_us))
         timing = time_launches(dev, [functools.partial(dev.copy, dst, src, n)], COPY_ITERS, COPY_WARMUP)
         copy.record(timing, read.gbps)
@@ -899,8 +903,8 @@ def run_benchmarks(config: Config, *, device: Device | None = None,
 
     Returns one dict per row (schema: `write_json`): first ``op == "read"`` (the ceiling), then
     ``op == "copy"`` and ``op == "launch"`` (the launch floor), then the cases in `build_cases`
-    order. ``device``: an
-    open `Device` to use; by default one is opened on GPU 0 and closed at the end.
+    order. ``device``: an open `Device` to use; by default one is opened on GPU 0 and closed at
+    the end.
     """
     cases = build_cases(config)
     dev = device if device is not None else Device()
@@ -978,8 +982,8 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
-             format_number(row["in_graph_us"], 2), _peer_cell(row["peers"].get("bf16_sdpa")), _peer_cell(row["peers"].get("fp8_flashinfer")),
-             row["note"].split(":", 1)[0])
+             format_number(row["in_graph_us"], 2), _peer_cell(row["peers"].get("bf16_sdpa")),
+             _peer_cell(row["peers"].get("fp8_flashinfer")), row["note"].split(":", 1)[0])
             for row in rows if row["op"] in OPS]
 
 
