@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from fp8kturbov import bench
+from fp8kturbov import _bench_kernels, bench
 from fp8kturbov.__main__ import build_parser, config_from_args, main
 
 D128_3BIT = bench.Shape("decode", 3, 1, 32768, 128, 32, 8, 16)
@@ -63,7 +63,7 @@ def test_default_config_is_the_issue_table():
     assert config.tokens == (1, 16, 128, 32768)
     assert (config.num_q_heads, config.num_kv_heads, config.block_size) == (32, 8, 16)
     assert config.bits == (2, 3, 4) and config.head_dims == (128,)
-    assert config.copy_bytes >= 2 * bench.GiB and config.sparse_v_threshold == 1e-3
+    assert config.ceiling_bytes >= 2 * bench.GiB and config.sparse_v_threshold == 1e-3
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -83,6 +83,8 @@ def test_default_config_is_the_issue_table():
     ({"q_len": 0}, "q_len = 0 must be in 1..16"),
     ({"q_len": 17}, "q_len = 17 must be in 1..16"),
     ({"q_len": 4, "shapes": ((8, 8192), (2, 3))}, "decode shape 2x3 has fewer than q_len = 4 tokens"),
+    ({"ceiling_bytes": 0}, "ceiling_bytes = 0 must be >= 1"),
+    ({"ceiling_bytes": bench.MiB + 8}, "ceiling_bytes = 1048584 is not a multiple of 16"),
 ])
 def test_config_rejects(changes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -231,6 +233,36 @@ def test_time_launches_rotates_sets_and_gates_chunks():
     assert dev.log.count("hold") == dev.log.count("open") == -(-70 // bench.GATE_CHUNK)
 
 
+class FakeGraphDevice(FakeDevice):
+    """FakeDevice with graphs: a graph is the list of the nodes enqueued while it was captured;
+    replaying it advances the clock by their durations."""
+
+    def __init__(self, durations) -> None:
+        super().__init__()
+        self.durations, self.graphs, self._captured = durations, [], None
+
+    def node(self, index):
+        self._captured.append(index)
+
+    def capture(self, enqueue):
+        self._captured = []
+        enqueue()
+        self.graphs.append(self._captured)
+        return self._captured
+
+    def launch(self, graph):
+        self.clock += sum(self.durations[i] for i in graph)
+
+
+def test_time_graph_chain_times_one_graph_of_many_launches_per_launch():
+    dev = FakeGraphDevice([1.0, 3.0])
+    timing = bench.time_graph_chain(dev, [lambda: dev.node(0), lambda: dev.node(1)], iters=8, warmup=1)
+    assert dev.graphs == [[0, 1] * (bench.GRAPH_CHAIN // 2)]  # the input sets rotate inside it
+    assert timing == bench.Timing(2.0, 2.0, 8)
+    # A replay queues GRAPH_CHAIN kernels: one per gate, as many as a gate's chunk of single launches.
+    assert dev.log.count("hold") == dev.log.count("open") == 8
+
+
 def test_replicate_fills_with_few_copies():
     pattern = np.arange(3 * 16, dtype=np.uint8)  # three 16-byte "pages"
     dev = FakeDevice(1000 * 16 + 64)
@@ -283,23 +315,26 @@ def test_missing_peer_module_is_absent(monkeypatch, name):
 
 def fake_rows() -> list[dict]:
     """The rows of a small run, as run_benchmarks would return them."""
+    read = bench.Result(op="read", shape="2 GiB read", bytes=2 * bench.GiB)
+    read.record(bench.Timing.of([500.0] * 30), bench.gbps(read.bytes, 500.0))
     copy = bench.Result(op="copy", shape="2 GiB DtoD", bytes=4 * bench.GiB)
-    copy.record(bench.Timing.of([1000.0] * 30), bench.gbps(copy.bytes, 1000.0))
-    launch = bench.Result(op="launch", shape="1-byte memset graph", bytes=1)
-    launch.record(bench.Timing.of([2.5]), copy.gbps)
+    copy.record(bench.Timing.of([1100.0] * 30), read.gbps)
+    launch = bench.Result(op="launch", shape="empty-kernel graph", bytes=0, in_graph_us=1.25)
+    launch.record(bench.Timing.of([2.5]), read.gbps)
     decode = bench.Result.for_shape(D128_3BIT)
-    decode.record(bench.Timing.of([14.0, 15.0]), copy.gbps)
+    decode.record(bench.Timing.of([14.0, 15.0]), read.gbps)
+    decode.in_graph_us = 12.75
     decode.peers = {"bf16_sdpa": {"status": "ok", **bench.measured(
-        bench.peer_bytes(D128_3BIT, 2), bench.Timing.of([50.0]), copy.gbps)},
+        bench.peer_bytes(D128_3BIT, 2), bench.Timing.of([50.0]), read.gbps)},
         "fp8_flashinfer": {"status": "absent"}}
     skipped = bench.Result.for_shape(bench.Shape("decode", 4, 32, 32768, 128, 32, 8, 16))
     skipped.note = "skipped: needs 200.0 GiB, 100.0 GiB free"
     skipped.peers = {"bf16_sdpa": {"status": "skipped: needs 24.0 GiB, 1.0 GiB free"},
                      "fp8_flashinfer": {"status": "absent"}}
     write = bench.Result.for_shape(bench.Shape("write", 3, 16, 0, 128, 32, 8, 16))
-    write.record(bench.Timing.of([3.0]), copy.gbps)
+    write.record(bench.Timing.of([3.0]), read.gbps)
     write.note = "L2"
-    return [bench.dataclasses.asdict(r) for r in (copy, launch, decode, skipped, write)]
+    return [bench.dataclasses.asdict(r) for r in (read, copy, launch, decode, skipped, write)]
 
 
 DEVICE = {"name": "Test GPU", "driver": "580.1", "cuda_driver_api": "13.0", "commit": "abc1234",
@@ -310,15 +345,18 @@ def test_report_has_the_table_ceiling_floor_and_context():
     report = bench.format_report(fake_rows(), DEVICE, bench.Config())
     lines = report.splitlines()
     assert lines[0].split() == ["op", "bits", "shape", "D", "us", "GB/s", "%", "ceil", "floor",
-                                "us", "bf16", "us", "fp8", "us", "note"]
+                                "us", "in-graph", "us", "bf16", "us", "fp8", "us", "note"]
     decode = next(line for line in lines if "1x32768" in line).split()
     assert decode[:5] == ["decode", "3", "1x32768", "128", "14.50"]
-    assert decode[-2:] == ["50.00", "absent"]
+    assert decode[-3:] == ["12.75", "50.00", "absent"]
     assert any(line.split()[:3] == ["write", "3", "16"] and line.endswith("L2") for line in lines)
     assert "decode 32x32768 D128 4b: skipped: needs 200.0 GiB, 100.0 GiB free" in lines
     assert "decode 32x32768 D128 bf16_sdpa: skipped: needs 24.0 GiB, 1.0 GiB free" in lines
-    assert any(line.startswith("copy bandwidth (read+write): 4295 GB/s") for line in lines)
-    assert "launch floor: 2.50 us (1-byte memset graph)" in lines
+    assert any(line.startswith("read bandwidth: 4295 GB/s (2 GiB read, median of 30): the ceiling")
+               for line in lines)
+    assert "copy bandwidth (read+write): 3905 GB/s (2 GiB DtoD, median of 30)" in lines
+    assert ("launch floor: 2.50 us (empty-kernel graph); in a graph of 32 launches 1.25 us per "
+            "launch, the 'in-graph us' of the rows") in lines
     assert lines[-1] == ("commit abc1234 | Test GPU | driver 580.1 (CUDA 13.0) | "
                          "2026-01-01T00:00:00+00:00")
     assert not any("timing gate" in line for line in lines)
@@ -412,6 +450,7 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
     monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
     monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
     monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
+    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
     monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling:
                         peer_runs.append((name, shape.q_len)) or {"status": "absent"})
     for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_flashinfer", 1)])]:
@@ -419,7 +458,8 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
         config = bench.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), q_len=q_len)
         (shape,) = bench.build_cases(config)
         result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
-        assert (result.q_len, result.median_us) == (q_len, 9.0) and peer_runs == peers_run
+        assert (result.q_len, result.median_us, result.in_graph_us) == (q_len, 9.0, 7.0)
+        assert peer_runs == peers_run
         assert set(result.peers) == {name for name, _ in peers_run}
 
 
@@ -436,13 +476,14 @@ def test_json_schema(tmp_path):
     assert set(document) == {"schema", "device", "config", "rows"}
     assert document["schema"] == "fp8kturbov-bench/1" and document["device"] == DEVICE
     assert document["config"]["shapes"] == [[1, 32768]] and document["config"]["bits"] == [3]
-    assert [row["op"] for row in document["rows"]] == ["copy", "launch", "decode", "decode", "write"]
+    assert [row["op"] for row in document["rows"]] == ["read", "copy", "launch", "decode", "decode",
+                                                       "write"]
     keys = {f.name for f in bench.dataclasses.fields(bench.Result)}
     assert all(set(row) == keys for row in document["rows"])
-    peer = document["rows"][2]["peers"]["bf16_sdpa"]
+    peer = document["rows"][3]["peers"]["bf16_sdpa"]
     assert set(peer) == {"status", "bytes", "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}
-    assert document["rows"][3]["median_us"] is None
-    assert [row["q_len"] for row in document["rows"]] == [None, None, 1, 1, None]
+    assert document["rows"][4]["median_us"] is None
+    assert [row["q_len"] for row in document["rows"]] == [None, None, None, 1, 1, None]
     bench.write_json(tmp_path / "q4.json", rows, DEVICE, bench.Config(q_len=4))
     assert json.loads((tmp_path / "q4.json").read_text())["config"]["q_len"] == 4
 
@@ -480,7 +521,7 @@ def test_cli_options_become_a_config():
         ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
         num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
         sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True,
-        v_rotation="hadamard", q_len=4, peers=False, copy_bytes=256 << 20)
+        v_rotation="hadamard", q_len=4, peers=False, ceiling_bytes=256 << 20)
     assert (args.json, args.plot) == ("out.json", "out.png")
     assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
 
@@ -502,6 +543,24 @@ def test_cli_rejects_bad_options(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_read_kernel_needs_16_byte_multiples():
+    # Checked before the bench library is loaded: no GPU needed.
+    for nbytes, src in ((1000, 0x1000), (1024, 0x1008)):
+        with pytest.raises(bench.BenchError, match="the read needs 16-byte multiples"):
+            _bench_kernels.read(0, src, nbytes, 0x2000, 1)
+
+
+def test_a_missing_bench_library_is_a_bench_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(_bench_kernels, "library_path", lambda: tmp_path / "libfp8kturbov.so")
+    _bench_kernels._library.cache_clear()
+    try:
+        with pytest.raises(bench.BenchError, match=re.escape(
+                f"the bench kernels ({tmp_path / _bench_kernels.BENCH_LIBRARY_NAME}) are not loadable: ")):
+            _bench_kernels.empty(0)
+    finally:
+        _bench_kernels._library.cache_clear()
 
 
 def test_cli_reports_an_invalid_config_in_one_line(capsys):
@@ -561,25 +620,28 @@ TIMING_GATE = os.environ.get("FP8KTURBOV_TEST_NO_TIMING_GATE") != "1"
 @pytest.mark.gpu
 @pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
 def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
-    # A small ceiling copy (its numbers are the L2's): compute-sanitizer tracks every byte copied.
+    # A small ceiling (its numbers are the L2's): compute-sanitizer tracks every byte copied.
     config = bench.Config(shapes=((2, 300),), tokens=(16,), bits=(3,), iters=5, warmup=2, sets=2,
-                          copy_bytes=8 * bench.MiB, checked=checked)
+                          ceiling_bytes=8 * bench.MiB, checked=checked)
     with bench.Device(timing_gate=TIMING_GATE) as dev:
         assert TIMING_GATE or not dev.gated  # on only where the driver supports it
         device = bench.describe_device(dev)
         rows = bench.run_benchmarks(config, device=dev, show_progress=False)
-    assert [row["op"] for row in rows] == ["copy", "launch", "decode", "write"]
-    assert [row["samples"] for row in rows] == [bench.COPY_ITERS, 5, 5, 5]
-    assert all(row["median_us"] > 0 and row["gbps"] > 0 for row in rows)
-    assert rows[2]["bytes"] == bench.launch_bytes(bench.build_cases(config)[0])
-    assert set(rows[2]["peers"]) == set(bench.PEERS)
-    for peer in rows[2]["peers"].values():
+    assert [row["op"] for row in rows] == ["read", "copy", "launch", "decode", "write"]
+    assert [row["samples"] for row in rows] == [bench.COPY_ITERS, bench.COPY_ITERS, 5, 5, 5]
+    assert all(row["median_us"] > 0 for row in rows)
+    assert all(row["gbps"] > 0 for row in rows if row["op"] != "launch")  # an empty kernel moves 0 bytes
+    assert [row["in_graph_us"] is not None and row["in_graph_us"] > 0 for row in rows] == [False, False, True,
+                                                                                          True, True]
+    assert rows[3]["bytes"] == bench.launch_bytes(bench.build_cases(config)[0])
+    assert set(rows[3]["peers"]) == set(bench.PEERS)
+    for peer in rows[3]["peers"].values():
         assert peer["status"] == "absent" or peer["status"] == "ok", peer["status"]
     assert device["l2_bytes"] > 0 and device["name"]
     report = bench.format_report(rows, device, config)
-    assert "copy bandwidth (read+write)" in report and "launch floor" in report
+    assert "read bandwidth" in report and "copy bandwidth (read+write)" in report and "launch floor" in report
     bench.write_json(tmp_path / "bench.json", rows, device, config)
-    assert json.loads((tmp_path / "bench.json").read_text())["rows"][2]["op"] == "decode"
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][3]["op"] == "decode"
 
 
 @pytest.mark.gpu
@@ -591,7 +653,7 @@ def test_gpu_cli_multi_token_decode_one_tiny_shape(tmp_path, capsys):
     assert "4 query tokens per sequence" in capsys.readouterr().out
     document = json.loads(path.read_text())
     assert document["config"]["q_len"] == 4
-    decode = document["rows"][2]
+    decode = document["rows"][3]
     assert (decode["op"], decode["q_len"], decode["samples"], decode["peers"]) == ("decode", 4, 5, {})
     assert decode["median_us"] > 0 and decode["note"] in ("", "L2")
     assert decode["bytes"] == bench.launch_bytes(bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, 4))

@@ -29,7 +29,7 @@ def with_median(row: dict, median_us: float) -> dict:
 
 
 def baseline_rows() -> list[dict]:
-    """fake_rows (copy, launch, decode 1x32768 at 14.5 µs, a skipped decode, write 16 tok at
+    """fake_rows (read, copy, launch, decode 1x32768 at 14.5 µs, a skipped decode, write 16 tok at
     3.0 µs) and a decode 8x8192 that the candidate lacks."""
     return fake_rows() + [timed_row(DECODE_8X8K, 40.0)]
 
@@ -37,8 +37,8 @@ def baseline_rows() -> list[dict]:
 def candidate_rows() -> list[dict]:
     """fake_rows with the launch floor 20 % slower, the decode 10 % slower, the write 5 % faster,
     and a write of 128 tokens that the baseline lacks."""
-    copy, launch, decode, skipped, write = fake_rows()
-    return [copy, with_median(launch, 3.0), with_median(decode, 14.5 * 1.1), skipped,
+    read, copy, launch, decode, skipped, write = fake_rows()
+    return [read, copy, with_median(launch, 3.0), with_median(decode, 14.5 * 1.1), skipped,
             with_median(write, 3.0 * 0.95), timed_row(WRITE_128, 5.0)]
 
 
@@ -57,15 +57,15 @@ def files(tmp_path):
 def test_rows_match_by_what_they_measure(files):
     records = compare.compare_files(*files).rows
     assert [(r.describe(), r.only_in) for r in records] == [
-        ("copy 2 GiB DtoD", ""), ("launch 1-byte memset graph", ""),
+        ("read 2 GiB read", ""), ("copy 2 GiB DtoD", ""), ("launch empty-kernel graph", ""),
         ("decode 3b D128 1x32768", ""), ("decode 4b D128 32x32768", ""),
         ("write 3b D128 16 tok", ""), ("decode 3b D128 8x8192", "baseline"),
         ("write 3b D128 128 tok", "candidate")]
-    copy, launch, decode, skipped, write, baseline_only, candidate_only = records
+    read, copy, launch, decode, skipped, write, baseline_only, candidate_only = records
     assert (decode.baseline_us, decode.candidate_us) == (14.5, pytest.approx(15.95))
     assert decode.change_pct == pytest.approx(10.0) and write.change_pct == pytest.approx(-5.0)
     assert launch.change_pct == pytest.approx(20.0) and not launch.is_case and decode.is_case
-    assert copy.change_pct == 0.0
+    assert read.change_pct == 0.0 and copy.change_pct == 0.0 and not read.is_case
     assert (baseline_only.baseline_us, baseline_only.candidate_us, baseline_only.ratio) == (40.0, None, None)
     assert (candidate_only.baseline_us, candidate_only.candidate_us) == (None, 5.0)
     assert skipped.ratio is None and skipped.note == (
@@ -179,11 +179,12 @@ def test_format_has_the_table_the_unmatched_rows_the_machine_and_the_summary(fil
     assert lines[9:11] == ["decode 3b D128 8x8192: only in baseline",
                            "write 3b D128 128 tok: only in candidate"]
     assert lines[11].startswith("decode 4b D128 32x32768: not measured in baseline (skipped")
-    assert lines[12:15] == ["ceiling and floor (the machine's, not counted as slowdowns):",
-                            "  copy 2 GiB DtoD: 1000.00 -> 1000.00 us (+0.0 %)",
-                            "  launch 1-byte memset graph: 2.50 -> 3.00 us (+20.0 %)"]
+    assert lines[12:16] == ["ceiling and floor (the machine's, not counted as slowdowns):",
+                            "  read 2 GiB read: 500.00 -> 500.00 us (+0.0 %)",
+                            "  copy 2 GiB DtoD: 1100.00 -> 1100.00 us (+0.0 %)",
+                            "  launch empty-kernel graph: 2.50 -> 3.00 us (+20.0 %)"]
     mean = math.sqrt(1.1 * 0.95)
-    assert lines[15:] == [f"worst slowdown: +10.0 % (decode 3b D128 1x32768); geometric-mean ratio "
+    assert lines[16:] == [f"worst slowdown: +10.0 % (decode 3b D128 1x32768); geometric-mean ratio "
                           f"candidate/baseline over 2 decode/write rows: {mean:.4f} "
                           f"({100 * (mean - 1):+.1f} %)"]
 

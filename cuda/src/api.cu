@@ -248,7 +248,7 @@ fp8kturbov_status_t check_v_rotation(const char* entry, uint32_t v_rotation, uin
   if (v_rotation != FP8KTURBOV_V_ROTATION_NONE && v_rotation != FP8KTURBOV_V_ROTATION_HADAMARD)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "v_rotation = %u is not FP8KTURBOV_V_ROTATION_NONE (0) or _HADAMARD (1)", v_rotation);
-  if (v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD && head_dim != 128 && head_dim != 256 && head_dim != 512)
+  if (v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD && !rotatable_head_dim(head_dim))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "v_rotation = 1 (HADAMARD) needs head_dim 128, 256 or 512 (the format's sign tables), "
                 "not head_dim = %u", head_dim);

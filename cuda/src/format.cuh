@@ -334,9 +334,12 @@ static __constant__ const uint64_t kRotationSignWords[28] = {
     0x5B0E056556746A09ull, 0x33754D8471316A21ull, 0x491196087363B6E8ull, 0x74E09D969DFA1143ull,  // S2_512
     0xD49B9E8DFD26399Eull, 0x3E65CA562BF53DB5ull, 0xAD67A2B67F01D99Cull, 0x3A6CBE9800803A7Bull};
 
-// The head dims FORMAT §6 defines signs for.
+// The head dims FORMAT §6 defines signs for (the host's validation asks too).
+__host__ __device__ constexpr bool rotatable_head_dim(uint32_t head_dim) {
+  return head_dim == 128 || head_dim == 256 || head_dim == 512;
+}
 template <int HEAD_DIM>
-constexpr bool kRotatableHeadDim = HEAD_DIM == 128 || HEAD_DIM == 256 || HEAD_DIM == 512;
+constexpr bool kRotatableHeadDim = rotatable_head_dim(HEAD_DIM);
 
 template <int HEAD_DIM>
 struct RotationSigns {

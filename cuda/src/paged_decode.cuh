@@ -790,18 +790,26 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
+    // Column h's maximum over the streams, and stream st's weight under it.
+    auto streams_max = [&](int h) {
+      float m = -INFINITY;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
+      return m;
+    };
+    auto stream_weight = [&](int st, int h, float m) {
+      // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+      return m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+    };
     // Column h's output element d merged over the streams (fixed order), its maximum m and
     // denominator l.
     auto merge_streams = [&](int h, int d, float& m, float& l) {
-      m = -INFINITY;
-  #pragma unroll
-      for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
+      m = streams_max(h);
       float o = 0.0f;
       l = 0.0f;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) {
-        // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
-        const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+        const float w = stream_weight(st, h, m);
         o += w * o_s[st][h][d];
         l += w * denom_s[st][h];
       }
@@ -829,8 +837,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       const int h = i / HEAD_DIM;
       const int d = i % HEAD_DIM;
       float m, l;
-      float o = merge_streams(h, d, m, l);
-      if (rotate_back) o = o_s[0][h][d];
+      float o;
+      if (rotate_back) {  // the merged row is in o_s[0], rotated back: only m and l are left to merge
+        m = streams_max(h);
+        l = 0.0f;
+  #pragma unroll
+        for (int st = 0; st < S::kStreams; ++st) l += stream_weight(st, h, m) * denom_s[st][h];
+        o = o_s[0][h][d];
+      } else {
+        o = merge_streams(h, d, m, l);
+      }
       const uint32_t token = column_token(h);
       const uint32_t head = column_head(h);
       if (plan.num_splits == 1) {
@@ -871,10 +887,15 @@ __device__ __forceinline__ float block_reduce(float x, Op op, float* scratch) {
   return x;
 }
 
+// Splits whose partial elements a merge thread loads at once: one round of L2 latency per this many.
+constexpr int kMergeLoadBatch = 32;
+
 // Combines the splits' partials of one (sequence, query token, query head): the splits' weights
-// are computed once, in parallel, then every thread sums its element over the splits with several
-// loads in flight. EXTENDED as for the decode kernel: the default decode gets an instance without
-// the multi-token indexing and the rotation.
+// are computed once, in parallel, then every thread sums its element over the splits in order,
+// its loads kMergeLoadBatch at a time (predicated, so a short last batch costs no serial tail);
+// the first batch is requested before the weights, so its latency overlaps theirs. EXTENDED as for
+// the decode kernel: the default decode gets an instance without the multi-token indexing and the
+// rotation.
 template <int HEAD_DIM, bool EXTENDED>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];
@@ -895,6 +916,13 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   const int tid = threadIdx.x;
   const int num_splits = int(plan.num_splits);
   const float* parts = plan.workspace + uint64_t(row) * num_splits * (HEAD_DIM + 2);
+  float batch[kMergeLoadBatch];  // this thread's elements of splits s0 ... s0 + kMergeLoadBatch - 1
+  auto load_batch = [&](int s0) {
+#pragma unroll
+    for (int k = 0; k < kMergeLoadBatch; ++k)
+      batch[k] = s0 + k < num_splits ? parts[(s0 + k) * (HEAD_DIM + 2) + tid] : 0.0f;
+  };
+  load_batch(0);
   float m = -INFINITY;
   for (int s = tid; s < num_splits; s += HEAD_DIM) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
   m = block_reduce<HEAD_DIM>(m, [](float x, float y) { return fmaxf(x, y); }, scratch);
@@ -907,8 +935,12 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   }
   l = block_reduce<HEAD_DIM>(l, [](float x, float y) { return x + y; }, scratch);  // also publishes weight_s
   float o = 0.0f;
-#pragma unroll 8
-  for (int s = 0; s < num_splits; ++s) o += weight_s[s] * parts[s * (HEAD_DIM + 2) + tid];
+  for (int s0 = 0; s0 < num_splits; s0 += kMergeLoadBatch) {
+    if (s0 > 0) load_batch(s0);
+#pragma unroll
+    for (int k = 0; k < kMergeLoadBatch; ++k)
+      if (s0 + k < num_splits) o += weight_s[s0 + k] * batch[k];
+  }
   if constexpr (EXTENDED && kRotatableHeadDim<HEAD_DIM>) {
     if (a.rotated_v) {  // FORMAT §6: the partials are of rotated V
       row_s[tid] = o;

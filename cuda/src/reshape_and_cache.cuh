@@ -91,9 +91,12 @@ __device__ __forceinline__ void rotate_head(uint32_t head_dim, float (&x)[kGroup
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
 // a thread computes them sequentially, exactly as FORMAT §3.2 orders them. MSE: the V encoder
 // (WriteArgs::mse_encoder), kernels of their own so that the default one stays as it is, with
-// MSE_LANES (1 or 32) threads per group searching its scales; the first of them writes.
-template <int BITS, int MSE_LANES>
+// MSE_LANES (1 or 32) threads per group searching its scales; the first of them writes. ROTATE:
+// the V rotation (WriteArgs::rotation_head_dim), likewise in instances of its own (its butterflies,
+// unrolled for three head dims, would quadruple the default kernel's code); one thread per group.
+template <int BITS, int MSE_LANES, bool ROTATE>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
+  static_assert(!ROTATE || MSE_LANES <= 1, "the rotation runs across the threads of a head's groups");
   constexpr uint32_t kThreadsPerGroup = MSE_LANES > 0 ? MSE_LANES : 1;
   uint64_t token;
   uint32_t group;
@@ -130,9 +133,7 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section; first,
   // where asked, the head's rotation (FORMAT §6) across the threads holding its groups.
-  if constexpr (kThreadsPerGroup == 1) {
-    if (a.rotation_head_dim != 0) rotate_head(a.rotation_head_dim, x);
-  }
+  if constexpr (ROTATE) rotate_head(a.rotation_head_dim, x);
   EncodedGroup<BITS> enc;
   if constexpr (MSE_LANES > 0)
     enc = encode_v_group_mse<BITS, MSE_LANES>(x, codebook_s);
@@ -148,15 +149,22 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   v_page[layout.scale_offset(offset, group)] = enc.scale_byte;
 }
 
+template <int BITS, int MSE_LANES, bool ROTATE>
+const void* write_kernel() {
+  return reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, MSE_LANES, ROTATE>);
+}
+
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream) {
+  const bool rotate = args.rotation_head_dim != 0;
   if (!args.mse_encoder)
-    return launch_per_token_group(reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, 0>), args, stream);
+    return launch_per_token_group(rotate ? write_kernel<BITS, 0, true>() : write_kernel<BITS, 0, false>(), args,
+                                  stream);
   // A rotated write keeps a thread per group: the rotation runs across a head's threads.
-  const uint32_t lanes = args.rotation_head_dim != 0 ? 1 : mse_lanes_per_group(args.num_tokens, args.row_elems);
-  const void* kernel = lanes == kMseWarpLanes
-                           ? reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, kMseWarpLanes>)
-                           : reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, 1>);
+  const uint32_t lanes = rotate ? 1 : mse_lanes_per_group(args.num_tokens, args.row_elems);
+  const void* kernel = lanes == kMseWarpLanes ? write_kernel<BITS, kMseWarpLanes, false>()
+                       : rotate               ? write_kernel<BITS, 1, true>()
+                                              : write_kernel<BITS, 1, false>();
   return launch_per_token_group(kernel, args, stream, lanes);
 }
 

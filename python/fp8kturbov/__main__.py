@@ -88,10 +88,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=d.sparse_v_threshold,
                         help=f"decode's sparse-V threshold, 0 = exact (default: {d.sparse_v_threshold:g})")
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed of the inputs")
-    parser.add_argument("--ceiling-mib", type=count, metavar="N", default=d.copy_bytes // bench.MiB,
-                        help="MiB (each way) of the device-to-device copy that measures the "
-                        "bandwidth ceiling; keep it well above the L2 size (60 MB on an H200), or "
-                        f"the ceiling is the L2's (default: {d.copy_bytes // bench.MiB})")
+    parser.add_argument("--ceiling-mib", type=count, metavar="N", default=d.ceiling_bytes // bench.MiB,
+                        help="MiB read to measure the bandwidth ceiling (and copied beside it); keep "
+                        "it well above the L2 size (60 MB on an H200), or the ceiling is the L2's "
+                        f"(default: {d.ceiling_bytes // bench.MiB})")
     parser.add_argument("--checked", action="store_true",
                         help="run the library's launches in checked mode (pool capacity and an "
                         "error word), to measure its cost")
@@ -125,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
         v_rotation=args.v_rotation, q_len=args.q_len, peers=not args.no_peers, seed=args.seed,
-        copy_bytes=args.ceiling_mib * bench.MiB)
+        ceiling_bytes=args.ceiling_mib * bench.MiB)
 
 
 def _error(message: str, command: str = "bench") -> None:
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser(
         "bench", help="time decode and write against the memory roofline",
         description="Time the paged decode and the cache write with CUDA-graph replays, against "
-        "the device's copy bandwidth (read+write) and launch floor measured in the same run, "
+        "the device's read bandwidth and launch floor (an empty kernel) measured in the same run, "
         "with a BF16 (torch SDPA) and an FP8 (flashinfer) decode peer where importable.")
     add_bench_arguments(bench_parser)
     bench_parser.set_defaults(handler=run_bench)
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Match the rows of two files written by 'bench --json' (e.g. a build of main "
         "and of a branch, run on the same GPU) by op, V bits, shape, head dim and query tokens; "
         "print each decode and write row's median time in both and its change, the rows of one "
-        "file only, the ceiling copy and launch floor apart (the machine's, never slowdowns), "
+        "file only, the ceiling and launch floor apart (the machine's, never slowdowns), "
         "the worst slowdown and the geometric-mean ratio. Warns where the GPUs or the run "
         "options differ. Exit status 1 where a row is slower than --max-slowdown allows, 2 "
         "where a file is not a bench JSON, else 0.")

@@ -7,15 +7,21 @@ is imported only for the BF16 peer and flashinfer only for the FP8 peer. The dri
 
 What is measured
 ----------------
-* **copy bandwidth (read+write)**: one ``cuMemcpyDtoDAsync`` of ``Config.copy_bytes`` (2 GiB),
-  counting the bytes read plus the bytes written; the median of 30 event-timed copies after 3
-  warm-up copies. It is the ceiling that every "% of ceiling" and every floor refers to: what a
-  plain streaming copy reaches on this device, somewhat below the datasheet's HBM bandwidth.
-  Traffic that only reads can pass it by some percent (on an H200: copy about 4250 GB/s, torch
-  SDPA's long BF16 decode about 4600 GB/s), so a floor is a target, not a bound.
-* **launch floor**: a CUDA graph holding one 1-byte ``cuMemsetD8Async``, timed exactly like the
-  kernels: the smallest time this method reports for any launch.
+* **read bandwidth**: a kernel that reads ``Config.ceiling_bytes`` (2 GiB) with 16-byte loads,
+  4 in flight per thread, 8 CTAs of 256 threads per SM (``cuda/bench``); the median of 30
+  event-timed reads after 3 warm-up reads. It is the ceiling that every "% of ceiling" and every
+  floor refers to: what plain streaming reads reach on this device, somewhat below the
+  datasheet's HBM bandwidth. A decode mostly reads, so this is the bound it is held to.
+* **copy bandwidth (read+write)**: one ``cuMemcpyDtoDAsync`` of ``Config.ceiling_bytes``, counting
+  the bytes read plus the bytes written, timed the same way; reported beside the ceiling (the
+  ceiling of earlier versions of this harness: about 4250 GB/s on an H200, where traffic that
+  only reads goes faster, torch SDPA's long BF16 decode about 4600 GB/s).
+* **launch floor**: a CUDA graph holding one empty kernel (one warp, ``cuda/bench``), timed exactly
+  like the library's launches: the smallest time this method reports for any launch.
 * **decode / write**: one library launch per CUDA graph (one graph per input set), replayed.
+* **in-graph time** (``in_graph_us``, also of the launch floor): one CUDA graph of 32 launches
+  back to back, rotating the input sets, replayed; its time divided by 32. That is what a launch
+  costs inside an engine's captured decode step: a graph node, without a graph launch of its own.
 * **peers** (decode only, shared by the rows of one shape whatever the V bits): torch's
   ``scaled_dot_product_attention`` over contiguous BF16 K/V (``bf16_sdpa``) and flashinfer's
   paged decode over an FP8 E4M3 cache (``fp8_flashinfer``), each "absent" when not importable;
@@ -63,6 +69,8 @@ import numpy as np
 
 from . import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode_workspace_bytes,
                reshape_and_cache, version)
+from . import _bench_kernels
+from ._bench_kernels import READ_ALIGNMENT
 from ._device import BenchError, Device, cu, driver_call, first_line
 from ._lib import ROTATION_HEAD_DIMS
 from .arrays import MAX_Q_LEN
@@ -78,7 +86,12 @@ V_ENCODER_NAMES = tuple(encoder.name.lower() for encoder in VEncoder)
 V_ROTATION_NAMES = tuple(rotation.name.lower() for rotation in VRotation)
 E4M3_MAX = 448.0
 BF16_BYTES = 2
-COPY_ITERS, COPY_WARMUP = 30, 3
+COPY_ITERS, COPY_WARMUP = 30, 3  # timed and warm-up runs of the ceiling's read and copy
+#: Launches per graph for the in-graph time. An engine captures a whole decode step (every layer's
+#: write and decode) in one graph, where a launch costs a graph node rather than a graph launch.
+#: A sample of the chain averages this many launches, so it gets a quarter of `Config.iters`.
+GRAPH_CHAIN = 32
+READ_CTAS_PER_SM = 8  # CTAs of the read kernel per SM: 2048 threads, a full SM
 #: Samples queued behind one gate. Kept small: were the launch queue to fill while the stream
 #: waits, the host would block inside a launch and never open the gate.
 GATE_CHUNK = 32
@@ -132,7 +145,7 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class Config:
-    """What to run. Counts are elements/tokens/sequences; ``copy_bytes`` is bytes."""
+    """What to run. Counts are elements/tokens/sequences; ``ceiling_bytes`` is bytes."""
 
     ops: tuple[str, ...] = OPS
     shapes: tuple[tuple[int, int], ...] = DEFAULT_DECODE_SHAPES  # decode: (batch, context tokens)
@@ -153,7 +166,7 @@ class Config:
     v_rotation: str = "none"  # write and decode with this V rotation (a lower-case VRotation name)
     q_len: int = 1  # decode: query tokens per sequence (1: no query_start, the one-token decode)
     peers: bool = True  # not run with q_len > 1: they decode one query token per sequence
-    copy_bytes: int = 2 * GiB  # one direction of the ceiling copy
+    ceiling_bytes: int = 2 * GiB  # read by the ceiling's kernel, and copied by the copy
     chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
     seed: int = 0
 
@@ -164,10 +177,12 @@ class Config:
                      for d in self.head_dims if d <= 0 or d % 16]
         counts = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads,
                   "block_size": self.block_size, "iters": self.iters, "sets": self.sets,
-                  "copy_bytes": self.copy_bytes, "chunk_tokens": self.chunk_tokens}
+                  "ceiling_bytes": self.ceiling_bytes, "chunk_tokens": self.chunk_tokens}
         problems += [f"{name} = {value} must be >= 1" for name, value in counts.items() if value < 1]
         if self.warmup < 0:
             problems.append(f"warmup = {self.warmup} must be >= 0")
+        if self.ceiling_bytes % READ_ALIGNMENT:
+            problems.append(f"ceiling_bytes = {self.ceiling_bytes} is not a multiple of {READ_ALIGNMENT}")
         if self.num_kv_heads >= 1 and self.num_q_heads % self.num_kv_heads:
             problems.append(f"num_q_heads = {self.num_q_heads} is not a multiple of "
                             f"num_kv_heads = {self.num_kv_heads}")
@@ -352,6 +367,10 @@ class Timing:
     def of(cls, samples_us: Sequence[float]) -> Timing:
         return cls(statistics.median(samples_us), min(samples_us), len(samples_us))
 
+    def per_launch(self, launches: int) -> Timing:
+        """The times of samples that each ran ``launches`` launches, per launch."""
+        return Timing(self.median_us / launches, self.min_us / launches, self.samples)
+
 
 def measured(nbytes: int, timing: Timing, ceiling_gbps: float) -> dict[str, Any]:
     """The numbers of ``timing`` for a launch moving ``nbytes``: times (µs), GB/s, % of ceiling."""
@@ -382,6 +401,7 @@ class Result:
     gbps: float | None = None
     pct_of_ceiling: float | None = None
     floor_us: float | None = None
+    in_graph_us: float | None = None  # per launch, GRAPH_CHAIN of them in one graph (median)
     note: str = ""
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -402,21 +422,38 @@ class Result:
 
 
 def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: int,
-                  warmup: int) -> Timing:
+                  warmup: int, gate_chunk: int = GATE_CHUNK) -> Timing:
     """Per-launch times, µs: ``warmup`` untimed launches, then ``iters`` event-timed samples,
-    sample ``i`` being ``launches[i % len(launches)]()`` (which must enqueue on ``dev.stream``)."""
+    sample ``i`` being ``launches[i % len(launches)]()`` (which must enqueue on ``dev.stream``),
+    ``gate_chunk`` of them queued behind each gate."""
     for i in range(warmup):
         launches[i % len(launches)]()
     dev.synchronize()
     events = dev.events(2 * iters)
-    for first in range(0, iters, GATE_CHUNK):
+    for first in range(0, iters, gate_chunk):
         with dev.gate():
-            for i in range(first, min(first + GATE_CHUNK, iters)):
+            for i in range(first, min(first + gate_chunk, iters)):
                 dev.record(events[2 * i])
                 launches[i % len(launches)]()
                 dev.record(events[2 * i + 1])
     dev.synchronize()
     return Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)])
+
+
+def time_graph_chain(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
+                     warmup: int) -> Timing:
+    """Per-launch times, µs, inside one CUDA graph of `GRAPH_CHAIN` launches back to back (launch
+    ``i`` from ``enqueues[i % len(enqueues)]``): `time_launches` of its replays, each sample divided
+    by `GRAPH_CHAIN`. Assumes ``enqueues`` ran once already (`time_graphs` does that)."""
+    def chain() -> None:
+        for i in range(GRAPH_CHAIN):
+            enqueues[i % len(enqueues)]()
+
+    graph = dev.capture(chain)
+    # One replay per gate: it queues as many kernels as a gate's chunk of single launches.
+    timing = time_launches(dev, [functools.partial(dev.launch, graph)], iters, warmup,
+                           gate_chunk=max(1, GATE_CHUNK // GRAPH_CHAIN))
+    return timing.per_launch(GRAPH_CHAIN)
 
 
 def time_graphs(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
@@ -778,30 +815,43 @@ def progress(items: Sequence[Any], label: Callable[[Any], str], enabled: bool = 
             yield item
 
 
-def measure_copy(dev: Device, config: Config) -> Result:
-    """The ceiling: a DtoD copy of ``config.copy_bytes``, bytes read plus bytes written."""
-    n = config.copy_bytes
-    result = Result(op="copy", shape=f"{n / GiB:g} GiB DtoD", bytes=2 * n)
+def measure_ceiling(dev: Device, config: Config) -> tuple[Result, Result]:
+    """The ceiling, a read of ``config.ceiling_bytes`` by the bench's read kernel (bytes read), and
+    beside it a DtoD copy of as many bytes (bytes read plus bytes written): ``(read, copy)``."""
+    n = config.ceiling_bytes
+    read = Result(op="read", shape=f"{n / GiB:g} GiB read", bytes=n)
+    copy = Result(op="copy", shape=f"{n / GiB:g} GiB DtoD", bytes=2 * n)
     free, _ = dev.memory()
     if not fits_in_memory(2 * n, free):
-        raise BenchError(f"the ceiling copy needs 2 x {n / GiB:g} GiB, {free / GiB:.1f} GiB free")
+        raise BenchError(f"the ceiling needs 2 x {n / GiB:g} GiB, {free / GiB:.1f} GiB free")
+    ctas = READ_CTAS_PER_SM * dev.attribute("MULTIPROCESSOR_COUNT")
     with dev.scope():
-        src, dst = dev.alloc(n), dev.alloc(n)
+        src, dst, sink = dev.alloc(n), dev.alloc(n), dev.alloc(4)
         dev.memset(src, 1, n)  # touch both buffers before timing
         dev.memset(dst, 0, n)
-        timing = time_launches(dev, [functools.partial(dev.copy, dst, src, n)], COPY_ITERS,
-                               COPY_WARMUP)
-    result.record(timing, gbps(result.bytes, timing.median_us))
-    return result
+        read_once = functools.partial(_bench_kernels.read, int(dev.stream), src, n, sink, ctas)
+        timing = time_launches(dev, [read_once], COPY_ITERS, COPY_WARMUP)
+        read.record(timing, gbps(read.bytes, timing.median_us))
+        timing = time_launches(dev, [functools.partial(dev.copy, dst, src, n)], COPY_ITERS, COPY_WARMUP)
+        copy.record(timing, read.gbps)
+    return read, copy
+
+
+def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[], None]],
+                    config: Config, ceiling_gbps: float) -> None:
+    """Time ``enqueues`` (one per input set) one launch per graph replay, the row's times, and
+    `GRAPH_CHAIN` launches per graph, its ``in_graph_us``."""
+    result.record(time_graphs(dev, enqueues, config.iters, config.warmup), ceiling_gbps)
+    chain = time_graph_chain(dev, enqueues, max(1, config.iters // 4), min(config.warmup, 2))
+    result.in_graph_us = chain.median_us
 
 
 def measure_launch_floor(dev: Device, config: Config, ceiling_gbps: float) -> Result:
-    """The launch floor: graph replays of one 1-byte memset, timed like the kernels."""
-    result = Result(op="launch", shape="1-byte memset graph", bytes=1)
+    """The launch floor: one empty kernel, timed like the library's launches."""
+    result = Result(op="launch", shape="empty-kernel graph", bytes=0)
     with dev.scope():
-        byte = dev.alloc(1)
-        result.record(time_graphs(dev, [functools.partial(dev.memset, byte, 0, 1)], config.iters,
-                                  config.warmup), ceiling_gbps)
+        record_launches(result, dev, [functools.partial(_bench_kernels.empty, int(dev.stream))], config,
+                        ceiling_gbps)
     return result
 
 
@@ -832,8 +882,7 @@ class _Runner:
                 enqueues = decode_enqueues(self.dev, shape, self.config, self.chunk(shape), self.rng)
             else:
                 enqueues = write_enqueues(self.dev, shape, self.config, self.rng)
-            result.record(time_graphs(self.dev, enqueues, self.config.iters, self.config.warmup),
-                          self.ceiling)
+            record_launches(result, self.dev, enqueues, self.config, self.ceiling)
         if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
             result.note = "L2"
         if shape.op == "decode" and self.config.peers and shape.q_len == 1:
@@ -852,16 +901,17 @@ def run_benchmarks(config: Config, *, device: Device | None = None,
                    show_progress: bool = True) -> list[dict[str, Any]]:
     """Measure the ceiling, the launch floor and every case of ``config``.
 
-    Returns one dict per row (schema: `write_json`): first ``op == "copy"`` (the ceiling), then
-    ``op == "launch"`` (the launch floor), then the cases in `build_cases` order. ``device``: an
-    open `Device` to use; by default one is opened on GPU 0 and closed at the end.
+    Returns one dict per row (schema: `write_json`): first ``op == "read"`` (the ceiling), then
+    ``op == "copy"`` and ``op == "launch"`` (the launch floor), then the cases in `build_cases`
+    order. ``device``: an open `Device` to use; by default one is opened on GPU 0 and closed at
+    the end.
     """
     cases = build_cases(config)
     dev = device if device is not None else Device()
     try:
-        copy = measure_copy(dev, config)
-        rows = [copy, measure_launch_floor(dev, config, copy.gbps)]
-        runner = _Runner(dev, config, copy.gbps)
+        read, copy = measure_ceiling(dev, config)
+        rows = [read, copy, measure_launch_floor(dev, config, read.gbps)]
+        runner = _Runner(dev, config, read.gbps)
         rows += [runner.case(shape) for shape in progress(cases, Shape.describe, show_progress)]
     finally:
         if device is None:
@@ -923,8 +973,8 @@ def _peer_cell(peer: dict[str, Any] | None) -> str:
     return peer["status"].split(":", 1)[0]  # the reason is listed under the table
 
 
-TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "bf16 us",
-                 "fp8 us", "note")
+TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "in-graph us",
+                 "bf16 us", "fp8 us", "note")
 
 
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -932,8 +982,8 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
-             _peer_cell(row["peers"].get("bf16_sdpa")), _peer_cell(row["peers"].get("fp8_flashinfer")),
-             row["note"].split(":", 1)[0])
+             format_number(row["in_graph_us"], 2), _peer_cell(row["peers"].get("bf16_sdpa")),
+             _peer_cell(row["peers"].get("fp8_flashinfer")), row["note"].split(":", 1)[0])
             for row in rows if row["op"] in OPS]
 
 
@@ -962,14 +1012,19 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
     the run's context (commit, GPU, driver, date)."""
     by_op = {row["op"]: row for row in rows}
     lines = [format_table(table_rows(rows), TABLE_COLUMNS), "", *_reasons(rows)]
+    if "read" in by_op:
+        read = by_op["read"]
+        lines.append(f"read bandwidth: {format_number(read['gbps'], 0)} GB/s ({read['shape']}, median "
+                     f"of {read['samples']}): the ceiling of '% ceil' and 'floor us'")
     if "copy" in by_op:
         copy = by_op["copy"]
         lines.append(f"copy bandwidth (read+write): {format_number(copy['gbps'], 0)} GB/s "
-                     f"({copy['shape']}, median of {copy['samples']}): the ceiling of '% ceil' and "
-                     "'floor us'")
+                     f"({copy['shape']}, median of {copy['samples']})")
     if "launch" in by_op:
         launch = by_op["launch"]
-        lines.append(f"launch floor: {format_number(launch['median_us'], 2)} us ({launch['shape']})")
+        lines.append(f"launch floor: {format_number(launch['median_us'], 2)} us ({launch['shape']}); "
+                     f"in a graph of {GRAPH_CHAIN} launches {format_number(launch['in_graph_us'], 2)} us "
+                     "per launch, the 'in-graph us' of the rows")
     lines.append(f"q_heads {config.num_q_heads}, kv_heads {config.num_kv_heads}, block_size "
                  f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
                  f"{'checked mode' if config.checked else 'unchecked'}{_options_text(config)}; "
@@ -1025,7 +1080,7 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                     "date": ISO 8601 UTC, "python": str, "torch": str|null,
                     "flashinfer": str|null},
          "config": the `Config` fields,
-         "rows": [{"op": "copy"|"launch"|"decode"|"write",
+         "rows": [{"op": "read"|"copy"|"launch"|"decode"|"write",
                    "shape": "8x8192" | "128 tok" | description,
                    "bits", "batch", "context", "head_dim", "num_q_heads", "num_kv_heads",
                    "block_size", "q_len": int|null  (null where not applicable; for write,
@@ -1038,12 +1093,15 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "gbps": float|null      bytes / median, 1e9 B/s,
                    "pct_of_ceiling": float|null,
                    "floor_us": float|null  bytes / ceiling, µs,
+                   "in_graph_us": float|null  per launch, median over replays of one graph of
+                                           GRAPH_CHAIN (32) launches back to back, µs,
                    "note": ""|"L2"|"skipped: <why>",
                    "peers": {"bf16_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
                              "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}}}]}
 
-    The first row is the ceiling copy (``op == "copy"``), the second the launch floor.
+    The first row is the ceiling (``op == "read"``), the second the copy, the third the launch
+    floor.
     """
     document = {"schema": BENCH_SCHEMA, "device": device,
                 "config": dataclasses.asdict(config), "rows": list(rows)}
@@ -1063,9 +1121,9 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
         return "matplotlib is not importable"
     by_op = {row["op"]: row for row in rows}
     cases = [row for row in rows if row["op"] in OPS and row["gbps"] is not None]
-    if "copy" not in by_op or not cases:
+    if "read" not in by_op or not cases:
         return "no measured cases to plot"
-    ceiling = by_op["copy"]["gbps"]
+    ceiling = by_op["read"]["gbps"]
     figure, axes = plt.subplots(figsize=(9, 6))
     series: dict[str, list[dict[str, Any]]] = {}
     for row in cases:
@@ -1083,7 +1141,7 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
             axes.scatter([p["bytes"] for p in peers], [p["gbps"] for p in peers], marker=marker,
                          s=60, color="black", label=f"peer {name}", zorder=3)
         plotted += peers
-    axes.axhline(ceiling, color="red", linestyle="--", label=f"copy ceiling {ceiling:.0f} GB/s")
+    axes.axhline(ceiling, color="red", linestyle="--", label=f"read ceiling {ceiling:.0f} GB/s")
     if "launch" in by_op:
         launch_us = by_op["launch"]["median_us"]
         xs = np.logspace(np.log10(min(r["bytes"] for r in plotted)),
@@ -1091,7 +1149,7 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
         axes.plot(xs, [gbps(x, floor_us(x, ceiling) + launch_us) for x in xs], ":", color="gray",
                   label=f"ceiling + launch floor {launch_us:.1f} us")
     axes.set(xscale="log", yscale="log", xlabel="bytes moved per launch",
-             ylabel="achieved GB/s (1e9 B/s)", title="fp8kturbov: decode and write vs copy ceiling")
+             ylabel="achieved GB/s (1e9 B/s)", title="fp8kturbov: decode and write vs read ceiling")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()

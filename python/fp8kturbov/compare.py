@@ -4,9 +4,9 @@ Both files are written by ``python -m fp8kturbov bench --json`` (schema: `bench.
 typically by two builds on the same GPU. `compare_files` matches their rows by what they measure
 (`ROW_IDENTITY`: the op, every `bench.Shape` field and the shape text) and gives each match the
 change of its median time per launch, ``100 * (candidate / baseline - 1)`` %, positive when the
-candidate is slower. The ceiling copy and the launch floor measure the machine, not the change:
-they are shown apart and never count as slowdowns. Rows of one file only, and rows a run skipped,
-are listed rather than dropped. Options that change a measurement without being in its row
+candidate is slower. The ceiling (read and copy) and the launch floor measure the machine, not the
+change: they are shown apart and never count as slowdowns. Rows of one file only, and rows a run
+skipped, are listed rather than dropped. Options that change a measurement without being in its row
 (checked mode, V encoder, soft cap, sinks, sparse-V threshold, iterations ...) are run-wide: they
 are compared as the files' configs, a difference being a warning, as is a different GPU.
 """
@@ -66,7 +66,7 @@ class RowComparison:
 
     @property
     def is_case(self) -> bool:
-        """A decode or write row; not the ceiling copy or the launch floor (the machine's)."""
+        """A decode or write row; not the ceiling's read or copy or the launch floor (the machine's)."""
         return self.op in bench.OPS
 
     @property
