@@ -221,6 +221,15 @@ __device__ __forceinline__ bool sequence_query_rows(const DecodeArgs& a, uint32_
          (!a.index_check.enabled() || uint32_t(end) <= a.num_query_rows);
 }
 
+// 2^x on the special function unit (ex2.approx.ftz: relative error ~2^-22, results below 2^-126
+// flushed to 0, 2^-inf = 0, NaN stays NaN). exp2f adds a range fix-up of four instructions for
+// subnormal results, which softmax weights that are rounded to fp16 next do not need.
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // tanh(x) for logit soft-capping: 1 − 2 / (e^(2x) + 1), exact to a few float ulps in absolute
 // terms (which is what a score needs) and ±1 for large |x|.
 __device__ __forceinline__ float soft_cap_tanh(float x) {
@@ -500,9 +509,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
     // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
     // code path: the common one computes each pool's tile base once and each row with one IMAD.
+    // WHOLE (a tile of one page with every row in range, not masked: all but a range's first and
+    // last tiles) drops the per-row validity tests and the zero-fill selects from the copies.
     // Tiles are copied in increasing k, which the page-id batches rely on.
-    auto copy_tile = [&](int k, auto one_page) {
+    auto copy_tile = [&](int k, auto one_page, auto whole) {
       constexpr bool kOnePage = decltype(one_page)::value;
+      constexpr bool kWhole = decltype(whole)::value;
       const int tile = first_tile + k * tile_step;
       const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
       uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
@@ -536,7 +548,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       const int valid_begin = range_begin - tile;  // valid rows: [valid_begin, valid_end), not masked
       const int valid_end = kMaskPages && kOnePage && masked_rows != 0 ? valid_begin : range_end - tile;
       auto valid_row = [&](int row) {
-        return row >= valid_begin && row < valid_end && (!kMaskPages || kOnePage || !((masked_rows >> row) & 1));
+        return kWhole || (row >= valid_begin && row < valid_end &&
+                          (!kMaskPages || kOnePage || !((masked_rows >> row) & 1)));
       };
       constexpr int kKRowChunks = S::kKRowBytes / 16;
       const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
@@ -576,10 +589,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     };
 
     auto copy_tile_any = [&](int k) {
-      if (tile_in_one_page)
-        copy_tile(k, std::true_type{});
+      const int tile = first_tile + k * tile_step;
+      if (!tile_in_one_page)
+        copy_tile(k, std::false_type{}, std::false_type{});
+      else if (!kMaskPages && tile >= range_begin && tile + kTileTokens <= range_end)
+        copy_tile(k, std::true_type{}, std::true_type{});
       else
-        copy_tile(k, std::false_type{});
+        copy_tile(k, std::true_type{}, std::false_type{});
     };
 
     // The attended ranges of this thread's columns 2t and 2t+1, where they differ from the CTA's.
@@ -591,7 +607,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         column_begin[c] = window_start(column_stop[c]);
       }
     }
-    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t).
+    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t). run_max is
+    // the reference maximum that the weights and sums are relative to: the maximum of the scores
+    // seen when it last moved, which it does only when a score exceeds it by more than
+    // kRescaleSlackLog2 (lazy rescaling). Weights stay <= 2^kRescaleSlackLog2, well inside fp16,
+    // and a tile whose scores stay under the reference skips the max reduction and the rescale.
+    constexpr float kRescaleSlackLog2 = 8.0f;
     float run_max[2] = {-INFINITY, -INFINITY};
     float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
     float acc[S::kMTiles][4];
@@ -675,9 +696,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   #pragma unroll
         for (int r = 0; r < 4; ++r) s[r] *= score_to_log2;
       }
-      float p[4];
-      float alpha[2];
-      bool all_small = true;
+      float masked_s[4];  // s with the rows outside the column's range at -inf
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
         bool valid[2] = {row_valid[0], row_valid[1]};
@@ -688,17 +707,42 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
             valid[half] = valid[half] && pos >= column_begin[c] && pos < column_stop[c];
           }
         }
-        const float s0 = valid[0] ? s[c] : -INFINITY;
-        const float s1 = valid[1] ? s[2 + c] : -INFINITY;
-        float tile_max = fmaxf(s0, s1);
+        masked_s[c] = valid[0] ? s[c] : -INFINITY;
+        masked_s[2 + c] = valid[1] ? s[2 + c] : -INFINITY;
+      }
+      // The reference maxima move (warp-uniform) only when some score exceeds its column's by more
+      // than the slack; then to the columns' running maxima, and the sums are rescaled.
+      bool exceeds = false;
   #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-        const float new_max = fmaxf(run_max[c], tile_max);
-        alpha[c] = new_max == -INFINITY ? 1.0f : exp2f(run_max[c] - new_max);
-        p[c] = s0 == -INFINITY ? 0.0f : exp2f(s0 - new_max);
-        p[2 + c] = s1 == -INFINITY ? 0.0f : exp2f(s1 - new_max);
-        run_max[c] = new_max;
-        // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote.
+      for (int r = 0; r < 4; ++r) exceeds = exceeds || masked_s[r] > run_max[r % 2] + kRescaleSlackLog2;
+      if (__any_sync(0xffffffffu, exceeds)) {
+        float alpha[2];
+  #pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float tile_max = fmaxf(masked_s[c], masked_s[2 + c]);
+  #pragma unroll
+          for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+          const float new_max = fmaxf(run_max[c], tile_max);
+          alpha[c] = new_max == -INFINITY ? 1.0f : exp2_fast(run_max[c] - new_max);
+          run_max[c] = new_max;
+          run_denom[c] *= alpha[c];
+        }
+  #pragma unroll
+        for (int i = 0; i < S::kMTiles; ++i) {
+          acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
+        }
+      }
+      // Weights relative to the reference maxima; a masked row (-inf) gets 2^-inf = 0, also while a
+      // column has seen nothing (reference -inf, taken as 0).
+      float p[4];
+      bool all_small = true;
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float reference = run_max[c] == -INFINITY ? 0.0f : run_max[c];
+        p[c] = exp2_fast(masked_s[c] - reference);
+        p[2 + c] = exp2_fast(masked_s[2 + c] - reference);
+        // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote. The reference is a
+        // maximum over positions already seen, so a skipped row qualifies under the per-row rule.
         if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
       }
       const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
@@ -707,15 +751,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         const __half2 lo = *reinterpret_cast<const __half2*>(&p_lo);
         const __half2 hi = *reinterpret_cast<const __half2*>(&p_hi);
         // The denominator sums the same fp16-rounded weights that multiply V.
-        run_denom[0] = run_denom[0] * alpha[0] + __low2float(lo) + __low2float(hi);
-        run_denom[1] = run_denom[1] * alpha[1] + __high2float(lo) + __high2float(hi);
-      }
-      // Once the maxima settle, alpha is exactly 1: skip the rescale when no lane needs it.
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-  #pragma unroll
-        for (int i = 0; i < S::kMTiles; ++i) {
-          acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-        }
+        run_denom[0] += __low2float(lo) + __low2float(hi);
+        run_denom[1] += __high2float(lo) + __high2float(hi);
       }
       const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
       if (!skip) {
