@@ -310,6 +310,23 @@ def test_missing_peer_module_is_absent(monkeypatch, name):
     assert bench.run_peer(name, None, D128_3BIT, bench.Config(), 4000.0) == {"status": "absent"}
 
 
+def test_peer_versions_come_from_the_distribution_that_provides_the_module(monkeypatch):
+    """flashinfer is installed as the distribution flashinfer-python: its version is that one's."""
+    versions = {"flashinfer-python": "0.5.3", "torch": "2.11.0"}
+
+    def version(distribution):
+        if distribution not in versions:
+            raise bench.importlib.metadata.PackageNotFoundError(distribution)
+        return versions[distribution]
+
+    monkeypatch.setattr(bench.importlib.metadata, "packages_distributions",
+                        lambda: {"flashinfer": ["flashinfer-python"], "torch": ["torch"]})
+    monkeypatch.setattr(bench.importlib.metadata, "version", version)
+    assert bench._module_version("flashinfer") == "0.5.3"
+    assert bench._module_version("torch") == "2.11.0"
+    assert bench._module_version("absent_module") is None
+
+
 # ---- Output ----------------------------------------------------------------------------------------
 
 

@@ -923,10 +923,14 @@ def run_benchmarks(config: Config, *, device: Device | None = None,
 
 
 def _module_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The version of the installed distribution that provides the import package ``name`` (whose
+    name may differ: flashinfer comes as ``flashinfer-python``), or None where none does."""
+    for distribution in importlib.metadata.packages_distributions().get(name, [name]):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _command_output(*command: str) -> str | None:
