@@ -303,7 +303,7 @@ def test_peer_failures_become_statuses(monkeypatch):
     assert bench.run_peer("b", None, D128_3BIT, config, 4000.0)["status"].startswith("skipped:")
 
 
-@pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_flashinfer"])
+@pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_sdpa", "fp8_flashinfer"])
 def test_missing_peer_module_is_absent(monkeypatch, name):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
     monkeypatch.setitem(sys.modules, "flashinfer", None)
@@ -343,6 +343,8 @@ def fake_rows() -> list[dict]:
     decode.in_graph_us = 12.75
     decode.peers = {"bf16_sdpa": {"status": "ok", **bench.measured(
         bench.peer_bytes(D128_3BIT, 2), bench.Timing.of([50.0]), read.gbps)},
+        "fp8_sdpa": {"status": "ok", **bench.measured(bench.peer_bytes(D128_3BIT, 1), bench.Timing.of([30.0]),
+                                                      read.gbps)},
         "fp8_flashinfer": {"status": "absent"}}
     skipped = bench.Result.for_shape(bench.Shape("decode", 4, 32, 32768, 128, 32, 8, 16))
     skipped.note = "skipped: needs 200.0 GiB, 100.0 GiB free"
@@ -362,10 +364,11 @@ def test_report_has_the_table_ceiling_floor_and_context():
     report = bench.format_report(fake_rows(), DEVICE, bench.Config())
     lines = report.splitlines()
     assert lines[0].split() == ["op", "bits", "shape", "D", "us", "GB/s", "%", "ceil", "floor",
-                                "us", "in-graph", "us", "bf16", "us", "fp8", "us", "note"]
+                                "us", "in-graph", "us", "bf16", "sdpa", "us", "fp8", "sdpa", "us",
+                                "flashinfer", "fp8", "us", "note"]
     decode = next(line for line in lines if "1x32768" in line).split()
     assert decode[:5] == ["decode", "3", "1x32768", "128", "14.50"]
-    assert decode[-3:] == ["12.75", "50.00", "absent"]
+    assert decode[-4:] == ["12.75", "50.00", "30.00", "absent"]
     assert any(line.split()[:3] == ["write", "3", "16"] and line.endswith("L2") for line in lines)
     assert "decode 32x32768 D128 4b: skipped: needs 200.0 GiB, 100.0 GiB free" in lines
     assert "decode 32x32768 D128 bf16_sdpa: skipped: needs 24.0 GiB, 1.0 GiB free" in lines
@@ -470,7 +473,7 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
     monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
     monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling:
                         peer_runs.append((name, shape.q_len)) or {"status": "absent"})
-    for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_flashinfer", 1)])]:
+    for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_sdpa", 1), ("fp8_flashinfer", 1)])]:
         peer_runs.clear()
         config = bench.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), q_len=q_len)
         (shape,) = bench.build_cases(config)

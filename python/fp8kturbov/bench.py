@@ -23,10 +23,12 @@ What is measured
   back to back, rotating the input sets, replayed; its time divided by 32. That is what a launch
   costs inside an engine's captured decode step: a graph node, without a graph launch of its own.
 * **peers** (decode only, shared by the rows of one shape whatever the V bits): torch's
-  ``scaled_dot_product_attention`` over contiguous BF16 K/V (``bf16_sdpa``) and flashinfer's
-  paged decode over an FP8 E4M3 cache (``fp8_flashinfer``), each "absent" when not importable;
-  both decode one query token per sequence, so they do not run with ``q_len > 1`` (``--q-len``,
-  the multi-token decode through ``query_start``).
+  ``scaled_dot_product_attention`` over contiguous BF16 K/V (``bf16_sdpa``); the straightforward
+  FP8 cache decode in torch, contiguous FP8 E4M3 K/V cast to BF16 in each decode and then the same
+  SDPA (``fp8_sdpa``); and flashinfer's paged decode over an FP8 E4M3 cache (``fp8_flashinfer``).
+  Each is "absent" when its modules are not importable; all decode one query token per sequence,
+  so they do not run with ``q_len > 1`` (``--q-len``, the multi-token decode through
+  ``query_start``).
 
 How a time is taken
 -------------------
@@ -703,33 +705,77 @@ def _time_torch(dev: Device, torch: Any, make_fn: Callable[[], Callable[[], Any]
         return time_launches(dev, [g.replay for g in graphs], config.iters, config.warmup)
 
 
+def _sdpa_with_gqa(torch: Any, group: int) -> tuple[Callable[..., Any], int]:
+    """torch's SDPA taking ``group`` query heads per K/V head: (sdpa with ``enable_gqa``, 1), or
+    where torch lacks it (< 2.5) (plain sdpa, ``group``): K/V heads must then be repeated that many
+    times."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        probe = torch.zeros(1, group, 1, 16, dtype=torch.bfloat16, device="cuda")
+        sdpa(probe, probe[:, :1], probe[:, :1], enable_gqa=True)
+        return functools.partial(sdpa, enable_gqa=True), 1
+    except TypeError:
+        return sdpa, group
+
+
+def _dense_kv_shape(shape: Shape) -> tuple[int, int, int, int]:
+    """The dense peers' K and V: ``[batch, kv_heads, context, head_dim]``."""
+    return shape.batch, shape.num_kv_heads, shape.context, shape.head_dim
+
+
+def _bf16_query(torch: Any, shape: Shape) -> Any:
+    """One query token per sequence: ``[batch, q_heads, 1, head_dim]`` bf16."""
+    return torch.randn(shape.batch, shape.num_q_heads, 1, shape.head_dim, dtype=torch.bfloat16,
+                       device="cuda")
+
+
 def peer_bf16_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
     """torch SDPA over contiguous bf16 K/V ``[batch, kv_heads, context, head_dim]``, q
     ``[batch, q_heads, 1, head_dim]``, GQA through ``enable_gqa`` (or K/V heads repeated before
     timing where torch lacks it). Returns (bytes, timing)."""
     torch = _optional("torch")
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    group = shape.num_q_heads // shape.num_kv_heads
-    try:
-        probe = torch.zeros(1, group, 1, 16, dtype=torch.bfloat16, device="cuda")
-        sdpa(probe, probe[:, :1], probe[:, :1], enable_gqa=True)
-        repeat, kwargs = 1, {"enable_gqa": True}
-    except TypeError:  # torch < 2.5
-        repeat, kwargs = group, {}
+    sdpa, repeat = _sdpa_with_gqa(torch, shape.num_q_heads // shape.num_kv_heads)
     kv_bytes = peer_bytes(shape, BF16_BYTES)
     _check_peer_memory(dev, config.sets * kv_bytes * repeat + kv_bytes)
 
     def kv() -> Any:
-        dense = torch.randn(shape.batch, shape.num_kv_heads, shape.context, shape.head_dim,
-                            dtype=torch.bfloat16, device="cuda")
+        dense = torch.randn(*_dense_kv_shape(shape), dtype=torch.bfloat16, device="cuda")
         return dense.repeat_interleave(repeat, dim=1) if repeat > 1 else dense
 
     def make_fn() -> Callable[[], Any]:
-        q = torch.randn(shape.batch, shape.num_q_heads, 1, shape.head_dim, dtype=torch.bfloat16,
-                        device="cuda")
-        return functools.partial(sdpa, q, kv(), kv(), **kwargs)
+        return functools.partial(sdpa, _bf16_query(torch, shape), kv(), kv())
 
     return kv_bytes, _time_torch(dev, torch, make_fn, config)
+
+
+def peer_fp8_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
+    """The straightforward FP8 cache decode in torch: contiguous FP8 E4M3 K/V ``[batch, kv_heads,
+    context, head_dim]`` (1 byte per element) cast to bf16 in every decode, then SDPA as in
+    `peer_bf16_sdpa` (K/V heads repeated after the cast where torch lacks ``enable_gqa``). The
+    per-tensor scales fold into q and the output, so a cast is the whole dequantisation. Returns
+    (the bytes an FP8 cache must read, timing): the casts' bf16 copies are extra traffic it pays."""
+    torch = _optional("torch")
+    sdpa, repeat = _sdpa_with_gqa(torch, shape.num_q_heads // shape.num_kv_heads)
+    fp8_bytes = peer_bytes(shape, 1)
+    # Per set the FP8 K/V; the bf16 casts (repeated heads included) live in the graph's pool.
+    _check_peer_memory(dev, config.sets * fp8_bytes + 2 * repeat * fp8_bytes)
+
+    def kv() -> Any:  # bytes below 0x78 are finite positive E4M3 values: random data without NaN
+        return torch.randint(0, 0x78, _dense_kv_shape(shape), dtype=torch.uint8,
+                             device="cuda").view(torch.float8_e4m3fn)
+
+    def make_fn() -> Callable[[], Any]:
+        q, k, v = _bf16_query(torch, shape), kv(), kv()
+
+        def decode() -> Any:
+            k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+            if repeat > 1:
+                k16, v16 = k16.repeat_interleave(repeat, dim=1), v16.repeat_interleave(repeat, dim=1)
+            return sdpa(q, k16, v16)
+
+        return decode
+
+    return fp8_bytes, _time_torch(dev, torch, make_fn, config)
 
 
 def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
@@ -769,6 +815,7 @@ def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config) -> tuple[int,
 
 PEERS: dict[str, Callable[[Device, Shape, Config], tuple[int, Timing]]] = {
     "bf16_sdpa": peer_bf16_sdpa,
+    "fp8_sdpa": peer_fp8_sdpa,
     "fp8_flashinfer": peer_fp8_flashinfer,
 }
 
@@ -978,7 +1025,7 @@ def _peer_cell(peer: dict[str, Any] | None) -> str:
 
 
 TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "in-graph us",
-                 "bf16 us", "fp8 us", "note")
+                 "bf16 sdpa us", "fp8 sdpa us", "flashinfer fp8 us", "note")
 
 
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -986,8 +1033,8 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
-             format_number(row["in_graph_us"], 2), _peer_cell(row["peers"].get("bf16_sdpa")),
-             _peer_cell(row["peers"].get("fp8_flashinfer")), row["note"].split(":", 1)[0])
+             format_number(row["in_graph_us"], 2),
+             *(_peer_cell(row["peers"].get(name)) for name in PEERS), row["note"].split(":", 1)[0])
             for row in rows if row["op"] in OPS]
 
 
@@ -1100,7 +1147,7 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "in_graph_us": float|null  per launch, median over replays of one graph of
                                            GRAPH_CHAIN (32) launches back to back, µs,
                    "note": ""|"L2"|"skipped: <why>",
-                   "peers": {"bf16_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
+                   "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
                              "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}}}]}
 
@@ -1138,7 +1185,7 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
             axes.annotate(r["shape"], (r["bytes"], r["gbps"]), fontsize=6, xytext=(3, 3),
                           textcoords="offset points")
     plotted = list(cases)
-    for name, marker in zip(PEERS, ("x", "^")):
+    for name, marker in zip(PEERS, ("x", "s", "^")):
         peers = [row["peers"][name] for row in cases
                  if row["peers"].get(name, {}).get("status") == "ok"]
         if peers:
