@@ -1123,6 +1123,7 @@ inline TensorMapEncoder tensor_map_encoder() {
 #else
     const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &entry, cudaEnableDefault, &found);
 #endif
+    if (err != cudaSuccess) (void)cudaGetLastError();  // not to surface in the caller's next error check
     return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<TensorMapEncoder>(entry)
                                                                       : nullptr;
   }();
