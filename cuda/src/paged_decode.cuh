@@ -130,6 +130,8 @@ __device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t parity)
       "r"(parity)
       : "memory");
 }
+// Orders this thread's earlier shared-memory accesses (generic proxy) before later tensor copies.
+__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // The box of `map` at (byte x of a row, row y of a page, page z) into `dst` (128-byte aligned),
 // counted on `barrier`.
 __device__ __forceinline__ void copy_box(void* dst, const CUtensorMap& map, int x, int y, int z, uint64_t* barrier) {
@@ -747,6 +749,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
       // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
       copy_async_wait<kDecodeStages - 2>();
+      async_proxy_fence();  // this lane's reads and copies of that stage come before a tensor copy refills it
       __syncwarp();
       if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
       if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
