@@ -316,28 +316,27 @@ struct DecodeShape {
 // Tiles in flight per warp: kDecodeStages - 1 are being copied while one is computed.
 constexpr int kDecodeStages = 4;
 
-// Dynamic shared memory of one CTA (bytes): the fp16 query chunk, then the ring of every warp's
-// stages (reused for the per-stream outputs once the loop is done), then the warps' page-id rings.
-// The ring starts at the first 128-byte boundary after the query (kRingAlign of slack), where the
-// copy engine can write: it holds all K sections first, each a multiple of 1024 bytes (so that the
-// 128-byte swizzle, a function of address bits 4-9, has the same phase in each), then the code
-// sections, then the scales.
+// Dynamic shared memory of one CTA (bytes): the ring of every warp's stages (reused for the
+// per-stream outputs once the loop is done), then the fp16 query chunk, then the warps' page-id
+// rings. The ring comes first, at the start of the dynamic shared memory (aligned to 128 bytes,
+// where the copy engine writes; the toolchain places it at 1 KB in practice): it holds all K
+// sections first, each a multiple of 1024 bytes so that the 128-byte swizzle (a function of
+// address bits 4-9) has the same phase in each, then the code sections, then the scales.
 template <int BITS, int HEAD_DIM>
 struct DecodeSmem {
   using S = DecodeShape<BITS, HEAD_DIM>;
-  static constexpr int kQRowElems = HEAD_DIM + 4;  // +4 halves: no bank conflicts
-  static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
   static constexpr int kSlots = kDecodeWarps * kDecodeStages;  // stages of all warps
   static constexpr int kRingCodesOffset = kSlots * S::kStageKBytes;
   static constexpr int kRingScalesOffset = kRingCodesOffset + kSlots * S::kStageCodeBytes;
   static constexpr int kRingBytes = kSlots * S::kStageBytes;
   static constexpr int kOutBytes = S::kStreams * kHeadsPerCta * HEAD_DIM * 4;
-  static constexpr int kRingAlign = 128;
-  static constexpr int kRingOffset = kQBytes;  // then up to kRingAlign - 16 bytes to the boundary
-  static constexpr int kPagesOffset = kRingOffset + kRingAlign + (kRingBytes > kOutBytes ? kRingBytes : kOutBytes);
+  static constexpr int kQRowElems = HEAD_DIM + 4;  // +4 halves: no bank conflicts
+  static constexpr int kQOffset = kRingBytes > kOutBytes ? kRingBytes : kOutBytes;
+  static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
+  static constexpr int kPagesOffset = kQOffset + kQBytes;
   static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
   static constexpr int kBytes = kPagesOffset + kPagesBytes;
-  static_assert(kQBytes % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % kRingAlign == 0,
+  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0,
                 "the tensor copies' destinations stay 128-byte aligned, the K sections in one swizzle phase");
 };
 
@@ -353,10 +352,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   using S = DecodeShape<BITS, HEAD_DIM>;
   using L = DecodeSmem<BITS, HEAD_DIM>;
   extern __shared__ __align__(128) uint8_t smem[];
-  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem);
-  uint8_t* const ring = smem + L::kRingOffset +
-                        ((L::kRingAlign - (shared_address(smem + L::kRingOffset) & (L::kRingAlign - 1))) &
-                         (L::kRingAlign - 1));
+  uint8_t* const ring = smem;
+  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem + L::kQOffset);
   auto o_s = reinterpret_cast<float(*)[kHeadsPerCta][HEAD_DIM]>(ring);  // after the loop
   int32_t* const page_ring = reinterpret_cast<int32_t*>(smem + L::kPagesOffset);
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
