@@ -132,6 +132,11 @@ __device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t parity)
 }
 // Orders this thread's earlier shared-memory accesses (generic proxy) before later tensor copies.
 __device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Fetches a tensor map (a kernel parameter) into the copy engine's descriptor cache ahead of the
+// first copy that uses it.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
+}
 // The box of `map` at (byte x of a row, row y of a page, page z) into `dst` (128-byte aligned),
 // counted on `barrier`.
 __device__ __forceinline__ void copy_box(void* dst, const CUtensorMap& map, int x, int y, int z, uint64_t* barrier) {
@@ -149,7 +154,9 @@ __device__ __forceinline__ void copy_box(void* dst, const CUtensorMap& map, int 
 // the compiler knows to be in shared memory.)
 // Chunks whose size is a multiple of 4 are naturally aligned and read as they are; others (6
 // bytes for 3-bit codes at head_dim 128, ...) are read as the aligned words that cover them and
-// shifted into place, which never reads past the 4-aligned end of the row that holds them.
+// shifted into place. Only the words that the chunk reaches into are read: a fixed count would read
+// past the end of the last row of a stage (3-byte chunks at offset 21 of a 24-byte row), into bytes
+// that another warp's copies may be writing.
 template <int BYTES>
 struct CodeChunk {
   static constexpr int kNaturalAlign = BYTES % 8 == 0 ? 8 : BYTES % 4 == 0 ? 4 : BYTES % 2 == 0 ? 2 : 1;
@@ -180,7 +187,8 @@ __device__ __forceinline__ void read_code_bytes(const uint8_t* row, uint32_t off
     const uint32_t shift = (offset & 3) * 8;
     uint32_t raw[C::kLoadWords + 1];
 #pragma unroll
-    for (int i = 0; i < C::kLoadWords; ++i) raw[i] = aligned[i];
+    for (int i = 0; i < C::kLoadWords; ++i)  // only the words the chunk reaches into
+      raw[i] = 4 * i < BYTES || 4 * i < int(offset & 3) + BYTES ? aligned[i] : 0u;
     raw[C::kLoadWords] = 0;
 #pragma unroll
     for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], shift);
@@ -376,6 +384,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int stream = warp / S::kSlices;
   const int slice = warp % S::kSlices;
   const int slice_d0 = slice * S::kSliceDim;
+
+  if (maps.enabled && tid == 0) {  // the descriptors' fetch overlaps the prologue
+    prefetch_tensor_map(maps.k);
+    prefetch_tensor_map(maps.codes);
+  }
 
   // CTA order: the chunks and KV heads of one (sequence, split) are neighbours, so the CTAs that
   // read the same token rows of the pools run side by side and share their DRAM pages and sectors.
