@@ -24,6 +24,7 @@
 // bytes of V rows, and the query is laid out in shared memory to match.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
 #include <cuda_fp16.h>
 
 #include <atomic>
@@ -93,6 +94,59 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
+// ---- Tensor copies (global -> shared by the copy engine, sm_90) --------------------------------
+
+// A tensor copy moves a box of a pool (16 token rows of a warp's slice) to shared memory without
+// the load/store pipe, from a tensor map the host encodes per launch, and counts its bytes on an
+// mbarrier in shared memory (its transaction count), which the consuming threads wait on. Each
+// stage of a warp's ring has one barrier, with one arrival per filling.
+struct DecodeTensorMaps {
+  CUtensorMap k;      // K pool: [pages][block_size rows][row bytes], box: a warp's slice of 16 rows
+  CUtensorMap codes;  // V code rows, the same box shape
+  uint32_t enabled;   // 0: the threads copy every tile (cp.async)
+};
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void barrier_init(uint64_t* barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(barrier)));
+}
+// Makes initialised barriers visible to the copy engine (the async proxy).
+__device__ __forceinline__ void barrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// The filling thread's arrival, announcing `bytes` to come from tensor copies (0: none).
+__device__ __forceinline__ void barrier_arrive_expecting(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+}
+// Waits until the barrier's phase of the given parity has completed.
+__device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(shared_address(barrier)),
+      "r"(parity)
+      : "memory");
+}
+// Orders this thread's earlier shared-memory accesses (generic proxy) before later tensor copies.
+__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Fetches a tensor map (a kernel parameter) into the copy engine's descriptor cache ahead of the
+// first copy that uses it.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map)) : "memory");
+}
+// The box of `map` at (byte x of a row, row y of a page, page z) into `dst` (128-byte aligned),
+// counted on `barrier`.
+__device__ __forceinline__ void copy_box(void* dst, const CUtensorMap& map, int x, int y, int z, uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(z), "r"(shared_address(barrier))
+      : "memory");
+}
+
 // ---- Code reads from shared memory -------------------------------------------------------------
 
 // Reads the BYTES code bytes at byte `offset` of `row` (shared memory, 4-byte aligned) into
@@ -100,7 +154,9 @@ __device__ __forceinline__ void copy_async_wait() {
 // the compiler knows to be in shared memory.)
 // Chunks whose size is a multiple of 4 are naturally aligned and read as they are; others (6
 // bytes for 3-bit codes at head_dim 128, ...) are read as the aligned words that cover them and
-// shifted into place, which never reads past the 4-aligned end of the row that holds them.
+// shifted into place. Only the words that the chunk reaches into are read: a fixed count would read
+// past the end of the last row of a stage (3-byte chunks at offset 21 of a 24-byte row), into bytes
+// that another warp's copies may be writing.
 template <int BYTES>
 struct CodeChunk {
   static constexpr int kNaturalAlign = BYTES % 8 == 0 ? 8 : BYTES % 4 == 0 ? 4 : BYTES % 2 == 0 ? 2 : 1;
@@ -131,7 +187,8 @@ __device__ __forceinline__ void read_code_bytes(const uint8_t* row, uint32_t off
     const uint32_t shift = (offset & 3) * 8;
     uint32_t raw[C::kLoadWords + 1];
 #pragma unroll
-    for (int i = 0; i < C::kLoadWords; ++i) raw[i] = aligned[i];
+    for (int i = 0; i < C::kLoadWords; ++i)  // only the words the chunk reaches into
+      raw[i] = 4 * i < BYTES || 4 * i < int(offset & 3) + BYTES ? aligned[i] : 0u;
     raw[C::kLoadWords] = 0;
 #pragma unroll
     for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], shift);
@@ -267,20 +324,28 @@ struct DecodeShape {
 // Tiles in flight per warp: kDecodeStages - 1 are being copied while one is computed.
 constexpr int kDecodeStages = 4;
 
-// Dynamic shared memory of one CTA (bytes): the fp16 query chunk, then the warps' stage rings
-// (reused for the per-stream outputs once the loop is done), then the warps' page-id rings.
+// Dynamic shared memory of one CTA (bytes): the ring of every warp's stages (reused for the
+// per-stream outputs once the loop is done), then the fp16 query chunk, then the warps' page-id
+// rings. The ring comes first, at the start of the dynamic shared memory (aligned to 128 bytes,
+// where the copy engine writes; the toolchain places it at 1 KB in practice): it holds all K
+// sections first, each a multiple of 1024 bytes so that the 128-byte swizzle (a function of
+// address bits 4-9) has the same phase in each, then the code sections, then the scales.
 template <int BITS, int HEAD_DIM>
 struct DecodeSmem {
   using S = DecodeShape<BITS, HEAD_DIM>;
-  static constexpr int kQRowElems = HEAD_DIM + 4;  // +4 halves: no bank conflicts
-  static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
-  static constexpr int kRingBytes = kDecodeWarps * kDecodeStages * S::kStageBytes;
+  static constexpr int kSlots = kDecodeWarps * kDecodeStages;  // stages of all warps
+  static constexpr int kRingCodesOffset = kSlots * S::kStageKBytes;
+  static constexpr int kRingScalesOffset = kRingCodesOffset + kSlots * S::kStageCodeBytes;
+  static constexpr int kRingBytes = kSlots * S::kStageBytes;
   static constexpr int kOutBytes = S::kStreams * kHeadsPerCta * HEAD_DIM * 4;
-  static constexpr int kRingOffset = kQBytes;
-  static constexpr int kPagesOffset = kRingOffset + (kRingBytes > kOutBytes ? kRingBytes : kOutBytes);
+  static constexpr int kQRowElems = HEAD_DIM + 4;  // +4 halves: no bank conflicts
+  static constexpr int kQOffset = kRingBytes > kOutBytes ? kRingBytes : kOutBytes;
+  static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
+  static constexpr int kPagesOffset = kQOffset + kQBytes;
   static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
   static constexpr int kBytes = kPagesOffset + kPagesBytes;
-  static_assert(kQBytes % 16 == 0, "the ring starts 16-byte aligned");
+  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0,
+                "the tensor copies' destinations stay 128-byte aligned, the K sections in one swizzle phase");
 };
 
 // CODE_COPY: bytes per V code copy, DecodeShape::kMaxCodeCopy where the pool layout allows it
@@ -291,13 +356,13 @@ struct DecodeSmem {
 // its own code alone.
 template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
-    paged_decode_kernel(const DecodeArgs a, const DecodePlan plan) {
+    paged_decode_kernel(const DecodeArgs a, const DecodePlan plan, const __grid_constant__ DecodeTensorMaps maps) {
   using S = DecodeShape<BITS, HEAD_DIM>;
   using L = DecodeSmem<BITS, HEAD_DIM>;
-  extern __shared__ __align__(16) uint8_t smem[];
-  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem);
-  uint8_t* const ring = smem + L::kRingOffset;
-  auto o_s = reinterpret_cast<float(*)[kHeadsPerCta][HEAD_DIM]>(smem + L::kRingOffset);  // after the loop
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* const ring = smem;
+  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem + L::kQOffset);
+  auto o_s = reinterpret_cast<float(*)[kHeadsPerCta][HEAD_DIM]>(ring);  // after the loop
   int32_t* const page_ring = reinterpret_cast<int32_t*>(smem + L::kPagesOffset);
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
   __shared__ float denom_s[S::kStreams][kHeadsPerCta];
@@ -308,6 +373,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // Checked mode, where a page is out of range: per warp and stage, the rows (bit r) of the tile
   // whose page is out of range.
   __shared__ uint32_t masked_rows_s[kDecodeWarps][kDecodeStages];
+  // Per warp and stage: the barrier on which the stage's tensor copies complete.
+  __shared__ __align__(8) uint64_t stage_filled_s[kDecodeWarps][kDecodeStages];
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -317,6 +384,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int stream = warp / S::kSlices;
   const int slice = warp % S::kSlices;
   const int slice_d0 = slice * S::kSliceDim;
+
+  if (maps.enabled && tid == 0) {  // the descriptors' fetch overlaps the prologue
+    prefetch_tensor_map(maps.k);
+    prefetch_tensor_map(maps.codes);
+  }
 
   // CTA order: the chunks and KV heads of one (sequence, split) are neighbours, so the CTAs that
   // read the same token rows of the pools run side by side and share their DRAM pages and sectors.
@@ -469,7 +541,17 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
                                                                  tile_step * tile_step
                                         : range_end;
     const int num_tiles = loop_end > first_tile ? (loop_end - first_tile + tile_step - 1) / tile_step : 0;
-    uint8_t* const warp_ring = ring + warp * kDecodeStages * S::kStageBytes;
+    // This warp's stage `index`: its K rows, V code rows and V scale rows.
+    struct Stage {
+      uint8_t* k;
+      uint8_t* codes;
+      uint8_t* scales;
+    };
+    auto warp_stage = [&](int index) {
+      const int slot = warp * kDecodeStages + index;
+      return Stage{ring + slot * S::kStageKBytes, ring + L::kRingCodesOffset + slot * S::kStageCodeBytes,
+                   ring + L::kRingScalesOffset + slot * S::kStageScaleBytes};
+    };
     int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
 
     // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
@@ -504,9 +586,15 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
     };
     // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
-    // K rows of 128 bytes are stored with their 16-byte halves' order swapped on odd rows, so that
-    // the fragment reads below hit all 32 banks.
-    auto k_swizzle = [](int row, int chunk) { return S::kKRowBytes == 128 ? chunk ^ ((row & 1) << 2) : chunk; };
+    // The byte offset of 16-byte chunk `chunk` of K row `row` in a stage: rows of 128 bytes are
+    // stored in the copy engine's 128-byte swizzle (the chunk index XOR bits 7-9 of the row's
+    // address: (row + k_swizzle_phase) % 8, the phase being the same for every stage), which the
+    // threads' copies follow too; with the row order of mma_row_token below, the fragment reads
+    // hit all 32 banks. Rows of 64 bytes are stored as they are.
+    const int k_swizzle_phase = int(shared_address(ring) >> 7) & 7;
+    auto k_chunk_offset = [&](int row, int chunk) {
+      return 16 * (S::kKRowBytes == 128 ? chunk ^ ((row + k_swizzle_phase) & 7) : chunk);
+    };
     // ONE_PAGE (block_size % 16 == 0) is a template argument so that each case is its own straight
     // code path: the common one computes each pool's tile base once and each row with one IMAD.
     // WHOLE (a tile of one page with every row in range, not masked: all but a range's first and
@@ -517,7 +605,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       constexpr bool kWhole = decltype(whole)::value;
       const int tile = first_tile + k * tile_step;
       const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
-      uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
+      const Stage stage = warp_stage(k % kDecodeStages);
       uint32_t block, offset0;
       split_position(a, uint32_t(tile), block, offset0);
       uint64_t page0 = 0;
@@ -551,30 +639,49 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         return kWhole || (row >= valid_begin && row < valid_end &&
                           (!kMaskPages || kOnePage || !((masked_rows >> row) & 1)));
       };
-      constexpr int kKRowChunks = S::kKRowBytes / 16;
-      const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
-  #pragma unroll
-      for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
-        const int id = lane + 32 * j;
-        const int row = id / kKRowChunks;
-        const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
-        const bool valid = valid_row(row);
-        const uint8_t* src = k_rows(row);
-        copy_async<16>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, chunk), valid ? src : a.k_cache, valid);
-      }
-      constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
-      const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
-  #pragma unroll
-      for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
-        const int id = lane + 32 * j;
-        if (id < kTileTokens * kCodeRowCopies) {
-          const int row = id / kCodeRowCopies;
-          const int part = id % kCodeRowCopies;
-          const bool valid = valid_row(row);
-          const uint8_t* src = code_rows(row) + CODE_COPY * part;
-          copy_async<CODE_COPY>(stage + S::kStageKBytes + row * S::kCodeRowBytes + CODE_COPY * part,
-                                valid ? src : a.v_cache, valid);
+      // K rows and V code rows: a whole tile by the copy engine where the launch has tensor maps,
+      // else by the threads (cp.async: rows out of range zero-filled), the stage's barrier phase then
+      // completing with the arrival alone.
+      uint64_t* const stage_filled = &stage_filled_s[warp][k % kDecodeStages];
+      bool copied = false;
+      if constexpr (kWhole && CODE_COPY == 16 && S::kCodeRowBytes % 16 == 0) {
+        if (maps.enabled) {  // CTA-uniform
+          if (lane == 0) {
+            barrier_arrive_expecting(stage_filled, S::kStageKBytes + S::kStageCodeBytes);
+            copy_box(stage.k, maps.k, int(k_slice), int(offset0), int(page0), stage_filled);
+            copy_box(stage.codes, maps.codes, int(code_slice), int(offset0), int(page0), stage_filled);
+          }
+          copied = true;
         }
+      }
+      if (!copied) {
+        constexpr int kKRowChunks = S::kKRowBytes / 16;
+        const auto k_rows = tile_rows(a.k_cache, a.k_block_stride_bytes, row_elems, k_slice + 16 * (lane % kKRowChunks));
+  #pragma unroll
+        for (int j = 0; j < kTileTokens * kKRowChunks / 32; ++j) {
+          const int id = lane + 32 * j;
+          const int row = id / kKRowChunks;
+          const int chunk = id % kKRowChunks;  // = lane % kKRowChunks
+          const bool valid = valid_row(row);
+          const uint8_t* src = k_rows(row);
+          copy_async<16>(stage.k + row * S::kKRowBytes + k_chunk_offset(row, chunk),
+                         valid ? src : a.k_cache, valid);
+        }
+        constexpr int kCodeRowCopies = S::kCodeRowBytes / CODE_COPY;
+        const auto code_rows = tile_rows(a.v_cache, a.v_block_stride_bytes, row_code_bytes, code_slice);
+  #pragma unroll
+        for (int j = 0; j < (kTileTokens * kCodeRowCopies + 31) / 32; ++j) {
+          const int id = lane + 32 * j;
+          if (id < kTileTokens * kCodeRowCopies) {
+            const int row = id / kCodeRowCopies;
+            const int part = id % kCodeRowCopies;
+            const bool valid = valid_row(row);
+            const uint8_t* src = code_rows(row) + CODE_COPY * part;
+            copy_async<CODE_COPY>(stage.codes + row * S::kCodeRowBytes + CODE_COPY * part,
+                                  valid ? src : a.v_cache, valid);
+          }
+        }
+        if (lane == 0) barrier_arrive_expecting(stage_filled, 0);
       }
       // Scales: 4 or 8 bytes per row, in 4-byte copies.
       constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
@@ -583,7 +690,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         const int part = lane % kScaleRowCopies;
         const bool valid = valid_row(row);
         const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
-        copy_async<4>(stage + S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes + 4 * part,
+        copy_async<4>(stage.scales + row * S::kScaleRowBytes + 4 * part,
                       valid ? src : a.v_cache, valid);
       }
     };
@@ -619,6 +726,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   #pragma unroll
     for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
+    if (lane == 0) {
+  #pragma unroll
+      for (int st = 0; st < kDecodeStages; ++st) barrier_init(&stage_filled_s[warp][st]);
+      barrier_init_fence();
+    }
+    __syncwarp();
+
     // Prologue: the page ids of the first kDecodeStages - 1 tiles, then those tiles, each copy group
     // also fetching the page ids that the copy kDecodeStages - 1 tiles later will need.
     for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
@@ -632,28 +746,36 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       copy_async_commit();
     }
 
-    const int k_row_token[2] = {g, g + 8};
-    const int v_row_token[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+    // The token (stage row) of mma row m of the scores, which is also the reduction index of P·V:
+    // with 128-byte K rows, rows 2p and 2p + 1 of each 8 hold tokens p and p + 4, whose swizzled
+    // chunks lie in opposite halves of the banks (a quarter-warp's fragment reads cover rows 2p and
+    // 2p + 1). Any order of the tokens gives the same sums.
+    auto mma_row_token = [](int m) { return S::kKRowBytes == 128 ? (m & 8) | ((m & 7) >> 1) | ((m & 1) << 2) : m; };
+    const int k_row_token[2] = {mma_row_token(g), mma_row_token(g + 8)};
+    const int v_row_token[4] = {mma_row_token(2 * t), mma_row_token(2 * t + 1), mma_row_token(2 * t + 8),
+                                mma_row_token(2 * t + 9)};
     int parity = 0;
     for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
       // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
       // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
       copy_async_wait<kDecodeStages - 2>();
+      async_proxy_fence();  // this lane's reads and copies of that stage come before a tensor copy refills it
       __syncwarp();
       if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
       if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
       copy_async_commit();
 
       const int tile = first_tile + k * tile_step;
-      const uint8_t* stage = warp_ring + (k % kDecodeStages) * S::kStageBytes;
-      // S^T = K · Q^T over this warp's d-slice: rows = tokens (g, g+8), cols = heads (2t, 2t+1).
+      const Stage stage = warp_stage(k % kDecodeStages);
+      barrier_wait(&stage_filled_s[warp][k % kDecodeStages], uint32_t(k / kDecodeStages) & 1);  // its tensor copies
+      // S^T = K · Q^T over this warp's d-slice: mma rows g, g+8 (tokens k_row_token), cols = heads (2t, 2t+1).
       uint4 k_bytes[2][S::kKChunks];
   #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = k_row_token[half];
   #pragma unroll
         for (int c = 0; c < S::kKChunks; ++c)
-          k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage + row * S::kKRowBytes + 16 * k_swizzle(row, t + 4 * c));
+          k_bytes[half][c] = *reinterpret_cast<const uint4*>(stage.k + row * S::kKRowBytes + k_chunk_offset(row, t + 4 * c));
       }
       // Two accumulators (even and odd k-steps) halve the dependent chain of mma instructions.
       float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -683,11 +805,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 
       // Online softmax per head column; masked tokens get weight 0. A NaN score is not a maximum
       // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
-      bool row_valid[2] = {in_range(tile + g), in_range(tile + g + 8)};
+      bool row_valid[2] = {in_range(tile + k_row_token[0]), in_range(tile + k_row_token[1])};
       if (kMaskPages) {  // rows of out-of-range pages take no part (copied as zeros)
         const uint32_t masked = masked_rows_s[warp][k % kDecodeStages];
-        row_valid[0] = row_valid[0] && !((masked >> g) & 1);
-        row_valid[1] = row_valid[1] && !((masked >> (g + 8)) & 1);
+        row_valid[0] = row_valid[0] && !((masked >> k_row_token[0]) & 1);
+        row_valid[1] = row_valid[1] && !((masked >> k_row_token[1]) & 1);
       }
       if (a.soft_cap > 0.0f) {  // a branch the whole CTA takes or not
   #pragma unroll
@@ -745,8 +867,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         // maximum over positions already seen, so a skipped row qualifies under the per-row rule.
         if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
       }
-      const uint32_t p_lo = half2_bits(p[0], p[1]);  // token g, heads 2t, 2t+1
-      const uint32_t p_hi = half2_bits(p[2], p[3]);  // token g+8
+      const uint32_t p_lo = half2_bits(p[0], p[1]);  // mma row g, heads 2t, 2t+1
+      const uint32_t p_hi = half2_bits(p[2], p[3]);  // mma row g+8
       {
         const __half2 lo = *reinterpret_cast<const __half2*>(&p_lo);
         const __half2 hi = *reinterpret_cast<const __half2*>(&p_hi);
@@ -756,23 +878,22 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       }
       const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
       if (!skip) {
-        // P^T as the B operand: tokens (2t, 2t+1) and (2t+8, 2t+9) of head g.
+        // P^T as the B operand: mma rows (2t, 2t+1) and (2t+8, 2t+9) of head g.
         const uint32_t pb0 = transpose_8x8(p_lo);
         const uint32_t pb1 = transpose_8x8(p_hi);
-        // This thread's codes and scales of tokens 2t, 2t+1, 2t+8, 2t+9; scales as fp16 pairs of
-        // tokens (2t, 2t+1) and (2t+8, 2t+9).
+        // This thread's codes and scales of the tokens of mma rows 2t, 2t+1, 2t+8, 2t+9 (v_row_token);
+        // scales as fp16 pairs of rows (2t, 2t+1) and (2t+8, 2t+9).
         uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
         uint32_t scale_bytes[4];
   #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int row = v_row_token[j];
-          read_code_bytes<S::kCodeBytes>(stage + S::kStageKBytes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
-          scale_bytes[j] = stage[S::kStageKBytes + S::kStageCodeBytes + row * S::kScaleRowBytes +
-                                 g * S::kThreadDims / kGroupElems];
+          read_code_bytes<S::kCodeBytes>(stage.codes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
+          scale_bytes[j] = stage.scales[row * S::kScaleRowBytes + g * S::kThreadDims / kGroupElems];
         }
         const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
                                         e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
-        // Pair-index words of tokens (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
+        // Pair-index words of mma rows (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
         using P = CodePairs<BITS>;
         constexpr int kChunks = (S::kThreadDims + P::kCodesPerChunk - 1) / P::kCodesPerChunk;
         uint32_t pairs[2][kChunks][2];
@@ -1000,6 +1121,68 @@ const void* decode_kernel_for(const DecodeArgs& args) {
              : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED>);
 }
 
+// cuTensorMapEncodeTiled of the driver, found once through the runtime (the library does not link
+// the driver library); null where the driver lacks it.
+using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                       const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline TensorMapEncoder tensor_map_encoder() {
+  static const TensorMapEncoder encoder = [] {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &entry, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess) (void)cudaGetLastError();  // not to surface in the caller's next error check
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<TensorMapEncoder>(entry)
+                                                                      : nullptr;
+  }();
+  return encoder;
+}
+
+// Page ids are int32: the page dimension of a pool's tensor map spans all of them (the copy engine
+// reads only the boxes it is given; the pools' real extent is the caller's).
+constexpr uint64_t kTensorMapPages = uint64_t(1) << 31;
+
+// A tensor map of a pool seen as [pages][block_size rows][row_bytes] bytes, with boxes of
+// `box_bytes` × 16 rows of one page. False where the layout does not allow one (the pool address and
+// strides must be multiples of 16 bytes) or the driver cannot encode it.
+inline bool encode_pool_map(CUtensorMap* map, const void* pool, uint64_t row_bytes, uint32_t block_size,
+                            uint64_t page_stride, uint32_t box_bytes, CUtensorMapSwizzle swizzle) {
+  const TensorMapEncoder encode = tensor_map_encoder();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(pool) % 16 != 0 || row_bytes % 16 != 0 || page_stride % 16 != 0)
+    return false;
+  const cuuint64_t dims[3] = {row_bytes, block_size, kTensorMapPages};
+  const cuuint64_t strides[2] = {row_bytes, page_stride};
+  const cuuint32_t box[3] = {box_bytes, uint32_t(kTileTokens), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(pool), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The tensor maps of a launch: K and V code rows where pages hold whole tiles and the code rows of
+// a warp's slice are 16-byte multiples at 16-byte aligned offsets (the wide code-copy instance);
+// else disabled, and the threads copy.
+template <int BITS, int HEAD_DIM>
+DecodeTensorMaps decode_tensor_maps(const DecodeArgs& args) {
+  using S = DecodeShape<BITS, HEAD_DIM>;
+  DecodeTensorMaps maps{};
+  if constexpr (S::kCodeRowBytes % 16 == 0 && S::kMaxCodeCopy == 16) {
+    const uint64_t row_elems = uint64_t(args.num_kv_heads) * HEAD_DIM;
+    maps.enabled =
+        args.block_size % kTileTokens == 0 && args.v_code_copy_bytes >= 16 &&
+        encode_pool_map(&maps.k, args.k_cache, row_elems, args.block_size, args.k_block_stride_bytes, S::kKRowBytes,
+                        S::kKRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE) &&
+        encode_pool_map(&maps.codes, args.v_cache, row_elems / 8 * BITS, args.block_size, args.v_block_stride_bytes,
+                        S::kCodeRowBytes, CU_TENSOR_MAP_SWIZZLE_NONE);
+  }
+  return maps;
+}
+
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, cudaStream_t stream) {
   const bool extended = args.query_start != nullptr || args.rotated_v;
@@ -1013,7 +1196,8 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   const dim3 grid(args.num_seqs * plan.num_splits * args.num_kv_heads * plan.chunks_per_group);  // < 2^31
   DecodeArgs kernel_args = args;
   DecodePlan kernel_plan = plan;
-  void* params[] = {&kernel_args, &kernel_plan};
+  DecodeTensorMaps maps = decode_tensor_maps<BITS, HEAD_DIM>(args);
+  void* params[] = {&kernel_args, &kernel_plan, &maps};
   err = cudaLaunchKernel(kernel, grid, dim3(kDecodeThreads), params, kSmemBytes, stream);
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   const void* merge = extended ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true>)
