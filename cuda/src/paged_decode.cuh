@@ -321,8 +321,11 @@ struct DecodeShape {
   static constexpr int kMaxCodeCopy = (HEAD_DIM * BITS / 8) % 16 == 0 ? 16 : (HEAD_DIM * BITS / 8) % 8 == 0 ? 8 : 4;
 };
 
-// Tiles in flight per warp: kDecodeStages - 1 are being copied while one is computed.
-constexpr int kDecodeStages = 4;
+// Tiles in flight per warp: kDecodeStages - 1 are being copied while one is computed. Three
+// stages keep every instance's CTA small enough for kDecodeCtasPerSm CTAs per SM (with four, the
+// 4-bit head_dim-256 CTA needs 62 KB and only 3 fit), and measured faster than four at every width
+// (docs/PERFORMANCE.md, version 25).
+constexpr int kDecodeStages = 3;
 
 // Dynamic shared memory of one CTA (bytes): the ring of every warp's stages (reused for the
 // per-stream outputs once the loop is done), then the fp16 query chunk, then the warps' page-id
