@@ -12,8 +12,11 @@
 // tiles; with head_dim > 128 several warps share one stream and sum their partial scores.
 //
 // Memory. Each warp streams its slice of its tiles through its own ring of kDecodeStages stages in
-// shared memory with cp.async (16-byte K copies, V code copies as wide as the pool layout allows),
-// so kDecodeStages - 1 tiles are in flight while one is computed and no register waits on a load.
+// shared memory, so kDecodeStages - 1 tiles are in flight while one is computed and no register
+// waits on a load. On sm_90, where the launch has tensor maps of the pools, a whole tile's K rows and
+// V code rows arrive by one tensor copy each (the copy engine, completing on a per-stage mbarrier);
+// otherwise, and for the scales and partial tiles, the threads copy with cp.async (16-byte K copies,
+// V code copies as wide as the pool layout allows).
 // The page ids travel through the same pipeline, kDecodeStages - 1 tiles ahead of the data, so the
 // block-table latency never stalls a copy.
 //
@@ -100,6 +103,15 @@ __device__ __forceinline__ void copy_async_wait() {
 // the load/store pipe, from a tensor map the host encodes per launch, and counts its bytes on an
 // mbarrier in shared memory (its transaction count), which the consuming threads wait on. Each
 // stage of a warp's ring has one barrier, with one arrival per filling.
+//
+// Tensor copies, the barriers' transaction counts and the async-proxy fence need sm_90: a kernel
+// compiled for an older architecture copies every tile with cp.async, whatever the launch's maps
+// say, and synchronises its stages as before (cp.async groups and warp barriers alone).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kArchHasTensorCopies = false;
+#else
+constexpr bool kArchHasTensorCopies = true;
+#endif
 struct DecodeTensorMaps {
   CUtensorMap k;      // K pool: [pages][block_size rows][row bytes], box: a warp's slice of 16 rows
   CUtensorMap codes;  // V code rows, the same box shape
@@ -388,9 +400,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int slice = warp % S::kSlices;
   const int slice_d0 = slice * S::kSliceDim;
 
-  if (maps.enabled && tid == 0) {  // the descriptors' fetch overlaps the prologue
-    prefetch_tensor_map(maps.k);
-    prefetch_tensor_map(maps.codes);
+  if constexpr (kArchHasTensorCopies) {
+    if (maps.enabled && tid == 0) {  // the descriptors' fetch overlaps the prologue
+      prefetch_tensor_map(maps.k);
+      prefetch_tensor_map(maps.codes);
+    }
   }
 
   // CTA order: the chunks and KV heads of one (sequence, split) are neighbours, so the CTAs that
@@ -647,7 +661,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // completing with the arrival alone.
       uint64_t* const stage_filled = &stage_filled_s[warp][k % kDecodeStages];
       bool copied = false;
-      if constexpr (kWhole && CODE_COPY == 16 && S::kCodeRowBytes % 16 == 0) {
+      if constexpr (kArchHasTensorCopies && kWhole && CODE_COPY == 16 && S::kCodeRowBytes % 16 == 0) {
         if (maps.enabled) {  // CTA-uniform
           if (lane == 0) {
             barrier_arrive_expecting(stage_filled, S::kStageKBytes + S::kStageCodeBytes);
@@ -684,7 +698,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
                                   valid ? src : a.v_cache, valid);
           }
         }
-        if (lane == 0) barrier_arrive_expecting(stage_filled, 0);
+        if (kArchHasTensorCopies && lane == 0) barrier_arrive_expecting(stage_filled, 0);
       }
       // Scales: 4 or 8 bytes per row, in 4-byte copies.
       constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
@@ -729,7 +743,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   #pragma unroll
     for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    if (lane == 0) {
+    if (kArchHasTensorCopies && lane == 0) {
   #pragma unroll
       for (int st = 0; st < kDecodeStages; ++st) barrier_init(&stage_filled_s[warp][st]);
       barrier_init_fence();
@@ -762,7 +776,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
       // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
       copy_async_wait<kDecodeStages - 2>();
-      async_proxy_fence();  // this lane's reads and copies of that stage come before a tensor copy refills it
+      // This lane's reads and copies of that stage come before a tensor copy refills it.
+      if constexpr (kArchHasTensorCopies) async_proxy_fence();
       __syncwarp();
       if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
       if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
@@ -770,7 +785,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 
       const int tile = first_tile + k * tile_step;
       const Stage stage = warp_stage(k % kDecodeStages);
-      barrier_wait(&stage_filled_s[warp][k % kDecodeStages], uint32_t(k / kDecodeStages) & 1);  // its tensor copies
+      if constexpr (kArchHasTensorCopies)  // its tensor copies
+        barrier_wait(&stage_filled_s[warp][k % kDecodeStages], uint32_t(k / kDecodeStages) & 1);
       // S^T = K · Q^T over this warp's d-slice: mma rows g, g+8 (tokens k_row_token), cols = heads (2t, 2t+1).
       uint4 k_bytes[2][S::kKChunks];
   #pragma unroll
