@@ -114,7 +114,7 @@ __device__ __forceinline__ void copy_async_wait() {
 // mbarrier in shared memory (its transaction count), which the consuming threads wait on. Each
 // stage of a warp's ring has one barrier, with one arrival per filling.
 //
-// Tensor copies, the barriers' transaction counts and the async-proxy fence need sm_90: a kernel
+// Tensor copies, the barriers' transaction counts and their initialisation fence need sm_90: a kernel
 // compiled for an older architecture copies every tile with cp.async, whatever the launch's maps
 // say, and synchronises its stages as before (cp.async groups and warp barriers alone).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -152,8 +152,6 @@ __device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) 
       "r"(parity)
       : "memory");
 }
-// Orders this thread's earlier shared-memory accesses (generic proxy) before later tensor copies.
-__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Fetches a tensor map (a kernel parameter) into the copy engine's descriptor cache ahead of the
 // first copy that uses it.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
@@ -792,9 +790,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     uint32_t filled_parity = 0;   // (k / kDecodeStages) % 2: the phase of its barrier that tile k completes
     for (int k = 0; k < num_tiles; ++k) {
       // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
-      // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
+      // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills. (No
+      // proxy fence before a tensor copy refills it: the lanes' reads of that stage have returned,
+      // their values consumed by the mma of tile k - 1, and the warp barrier orders them before the
+      // copy, as a consumer's barrier arrival does in a producer-consumer pipeline.)
       copy_async_wait<kDecodeStages - 2>();
-      if constexpr (kArchHasTensorCopies) async_proxy_fence();
       __syncwarp();
       if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2, slot_after(slot, kDecodeStages - 2));
       if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1, slot_after(slot, kDecodeStages - 1));
