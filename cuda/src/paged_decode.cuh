@@ -250,11 +250,27 @@ __device__ __forceinline__ void pair_words(uint32_t a, uint32_t b, uint32_t (&pa
   pairs[1] = ((a >> BITS) & kEven) | (b & ~kEven);
 }
 
-// Byte offset (4 × pair index) of the pair of field f in a pair-index word.
+// The level-pair table in shared memory: kCopies copies of each entry side by side (32-bit word
+// e·kCopies + c), lane l reading copy l % kCopies. A warp looks up random entries: with one copy,
+// lanes that want different entries of one bank wait on each other (3 bits: 64 entries in 32 banks,
+// two-way on average). With a copy per lane (3 bits: 8 KB) every lane reads a bank of its own. 2 bits
+// need no copies (16 entries, each in a bank of its own); a copy per lane of the 4-bit table would
+// take 32 KB, and a CTA per SM.
+template <int BITS>
+struct LevelPairTable {
+  static constexpr int kEntries = 1 << (2 * BITS);
+  static constexpr int kCopies = BITS == 3 ? 32 : 1;
+  static constexpr int kWords = kEntries * kCopies;
+  static constexpr int kEntryShift = BITS == 3 ? 7 : 2;  // byte offset of entry e in copy 0: e << kEntryShift
+  static_assert(4 * kCopies == 1 << kEntryShift, "entries are kCopies words apart");
+};
+
+// Byte offset in copy 0 of the level-pair table of the pair of field f in a pair-index word.
 template <int BITS>
 __device__ __forceinline__ uint32_t pair_offset(uint32_t pairs, int f) {
-  constexpr uint32_t kMask = ((1u << (2 * BITS)) - 1) << 2;
-  const int shift = 2 * BITS * f - 2;
+  constexpr int kEntryShift = LevelPairTable<BITS>::kEntryShift;
+  constexpr uint32_t kMask = ((1u << (2 * BITS)) - 1) << kEntryShift;
+  const int shift = 2 * BITS * f - kEntryShift;
   return (shift >= 0 ? pairs >> shift : pairs << -shift) & kMask;
 }
 
@@ -390,8 +406,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
   __shared__ float denom_s[S::kStreams][kHeadsPerCta];
   __shared__ __align__(16) float4 score_s[2][kDecodeWarps][S::kSlices > 1 ? 32 : 1];
-  // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]).
-  __shared__ __align__(16) uint32_t level_pair_s[1 << (2 * BITS)];
+  // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]), in
+  // LevelPairTable's copies.
+  using LevelPairs = LevelPairTable<BITS>;
+  __shared__ __align__(16) uint32_t level_pair_s[LevelPairs::kWords];
   __shared__ float q_absmax_s[kDecodeWarps];
   // Checked mode, where a page is out of range: per warp and stage, the rows (bit r) of the tile
   // whose page is out of range.
@@ -494,8 +512,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
     if (lane == 0) q_absmax_s[warp] = q_absmax;
-    for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
-      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
+    for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
+      const int e = i / LevelPairs::kCopies;
+      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[e & ((1 << BITS) - 1)], Codebook<BITS>::levels()[e >> BITS]);
+    }
     __syncthreads();
     q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
     int q_exp = 0;
@@ -939,6 +959,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
             pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
         }
         const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
+        const uint32_t lane_copy = 4 * (lane % LevelPairs::kCopies);  // byte offset of this lane's copy
   #pragma unroll
         for (int i = 0; i < S::kMTiles; ++i) {
           uint32_t a_frag[4];
@@ -947,7 +968,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
             const int e = 2 * i + (r & 1);
             const int pair = r >> 1;
             const int local = e % P::kCodesPerChunk;
-            const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2);
+            const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2) | lane_copy;
             const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
             const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
             a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
