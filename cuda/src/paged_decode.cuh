@@ -255,20 +255,21 @@ __device__ __forceinline__ void pair_words(uint32_t a, uint32_t b, uint32_t (&pa
 // lanes that want different entries of one bank wait on each other (3 bits: 64 entries in 32 banks,
 // two-way on average). With a copy per lane (3 bits: 8 KB) every lane reads a bank of its own. 2 bits
 // need no copies (16 entries, each in a bank of its own); a copy per lane of the 4-bit table would
-// take 32 KB, and a CTA per SM.
-template <int BITS>
+// take 32 KB, and a CTA per SM, as the 8 KB would at head_dim 512 (whose CTA needs more shared
+// memory for the query and the score exchange).
+template <int BITS, int HEAD_DIM>
 struct LevelPairTable {
   static constexpr int kEntries = 1 << (2 * BITS);
-  static constexpr int kCopies = BITS == 3 ? 32 : 1;
+  static constexpr int kCopies = BITS == 3 && HEAD_DIM <= 256 ? 32 : 1;
   static constexpr int kWords = kEntries * kCopies;
-  static constexpr int kEntryShift = BITS == 3 ? 7 : 2;  // byte offset of entry e in copy 0: e << kEntryShift
+  static constexpr int kEntryShift = kCopies == 32 ? 7 : 2;  // byte offset of entry e in copy 0: e << kEntryShift
   static_assert(4 * kCopies == 1 << kEntryShift, "entries are kCopies words apart");
 };
 
 // Byte offset in copy 0 of the level-pair table of the pair of field f in a pair-index word.
-template <int BITS>
+template <int BITS, int HEAD_DIM>
 __device__ __forceinline__ uint32_t pair_offset(uint32_t pairs, int f) {
-  constexpr int kEntryShift = LevelPairTable<BITS>::kEntryShift;
+  constexpr int kEntryShift = LevelPairTable<BITS, HEAD_DIM>::kEntryShift;
   constexpr uint32_t kMask = ((1u << (2 * BITS)) - 1) << kEntryShift;
   const int shift = 2 * BITS * f - kEntryShift;
   return (shift >= 0 ? pairs >> shift : pairs << -shift) & kMask;
@@ -408,7 +409,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   __shared__ __align__(16) float4 score_s[2][kDecodeWarps][S::kSlices > 1 ? 32 : 1];
   // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]), in
   // LevelPairTable's copies.
-  using LevelPairs = LevelPairTable<BITS>;
+  using LevelPairs = LevelPairTable<BITS, HEAD_DIM>;
   __shared__ __align__(16) uint32_t level_pair_s[LevelPairs::kWords];
   __shared__ float q_absmax_s[kDecodeWarps];
   // Checked mode, where a page is out of range: per warp and stage, the rows (bit r) of the tile
@@ -968,7 +969,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
             const int e = 2 * i + (r & 1);
             const int pair = r >> 1;
             const int local = e % P::kCodesPerChunk;
-            const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2) | lane_copy;
+            const uint32_t offset = pair_offset<BITS, HEAD_DIM>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2) | lane_copy;
             const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
             const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
             a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
