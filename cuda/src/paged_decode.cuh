@@ -1180,6 +1180,33 @@ const void* decode_kernel_for(const DecodeArgs& args) {
              : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED>);
 }
 
+// Whether the kernels that run on the current device were compiled for sm_90 or later and so use
+// the tensor maps: the device is sm_90 or later and the library was built for it (a build without
+// sm_90 code runs older code there). Asked once per device, of the merge kernel's loaded binary
+// (every kernel of the library is built for the same architectures).
+inline bool device_runs_sm90_code() {
+  static std::atomic<int> cached[kDecodeMaxCachedDevices] = {};  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const bool cacheable = device >= 0 && device < kDecodeMaxCachedDevices;
+  if (cacheable) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known != 0) return known == 2;
+  }
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&merge_splits_kernel<128, false>)) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const bool sm90 = attributes.binaryVersion >= 90;
+  if (cacheable) cached[device].store(sm90 ? 2 : 1, std::memory_order_relaxed);
+  return sm90;
+}
+
 // cuTensorMapEncodeTiled of the driver, found once through the runtime (the library does not link
 // the driver library); null where the driver lacks it.
 using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -1230,6 +1257,7 @@ template <int BITS, int HEAD_DIM>
 DecodeTensorMaps decode_tensor_maps(const DecodeArgs& args) {
   using S = DecodeShape<BITS, HEAD_DIM>;
   DecodeTensorMaps maps{};
+  if (!device_runs_sm90_code()) return maps;  // its kernels would ignore them
   if constexpr (S::kCodeRowBytes % 16 == 0 && S::kMaxCodeCopy == 16) {
     const uint64_t row_elems = uint64_t(args.num_kv_heads) * HEAD_DIM;
     maps.enabled =
