@@ -75,11 +75,17 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2_bits(uint32_t two_bytes) {
 }
 
 // Four E4M3 bytes to two fp16 pairs: lo from bytes 0-1, hi from bytes 2-3, exactly. Splitting the
-// word in PTX lets the conversion read its upper half directly instead of after a shift.
+// word in PTX lets the conversion read its upper half directly instead of after a shift. (The
+// conversion instruction needs sm_89; older architectures take the intrinsic's emulation.)
 __device__ __forceinline__ void e4m3x4_to_half2x2_bits(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
       : "=r"(lo), "=r"(hi)
       : "r"(four_bytes));
+#else
+  lo = e4m3x2_to_half2_bits(four_bytes & 0xFFFF);
+  hi = e4m3x2_to_half2_bits(four_bytes >> 16);
+#endif
 }
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
