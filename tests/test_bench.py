@@ -371,7 +371,7 @@ def test_source_commit_of_a_source_checkout_asks_git_beside_the_package(tmp_path
     monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))  # no record there
     monkeypatch.setattr(bench, "_command_output", lambda *command: asked.append(command) or "f00dcafe")
     assert bench.source_commit() == "f00dcafe"
-    assert asked == [("git", "rev-parse", "--short", "HEAD")]
+    assert asked == [("git", "describe", "--always", "--dirty", "--exclude=*")]
 
 
 DEVICE = {"name": "Test GPU", "driver": "580.1", "cuda_driver_api": "13.0", "commit": "abc1234",

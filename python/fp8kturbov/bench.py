@@ -991,13 +991,13 @@ def _command_output(*command: str) -> str | None:
 
 
 def source_commit() -> str | None:
-    """The commit of the code that runs: the one an installed package was built from (the
-    ``build_commit.txt`` the build puts beside it), else that of the source checkout the package
-    is imported from; None where neither is known."""
+    """The commit of the code that runs, with "-dirty" where it had uncommitted changes: the one
+    an installed package was built from (the ``build_commit.txt`` the build puts beside it), else
+    that of the source checkout the package is imported from; None where neither is known."""
     recorded = Path(__file__).with_name("build_commit.txt")
     if recorded.is_file():
         return recorded.read_text().strip() or None
-    return _command_output("git", "rev-parse", "--short", "HEAD")
+    return _command_output("git", "describe", "--always", "--dirty", "--exclude=*")
 
 
 def describe_device(dev: Device) -> dict[str, Any]:
