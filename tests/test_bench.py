@@ -356,6 +356,24 @@ def fake_rows() -> list[dict]:
     return [bench.dataclasses.asdict(r) for r in (read, copy, launch, decode, skipped, write)]
 
 
+@pytest.mark.parametrize("recorded, want", [("0a1b2c3\n", "0a1b2c3"), ("\n", None)])
+def test_source_commit_of_an_installed_package_is_the_recorded_one(tmp_path, monkeypatch, recorded, want):
+    # An installed package holds the build's record beside its modules (outside a git checkout
+    # the build writes an empty line): that, not whatever repository encloses it, is the commit.
+    (tmp_path / "build_commit.txt").write_text(recorded)
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))
+    monkeypatch.setattr(bench, "_command_output", lambda *command: pytest.fail(f"asked {command}"))
+    assert bench.source_commit() == want
+
+
+def test_source_commit_of_a_source_checkout_asks_git_beside_the_package(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))  # no record there
+    monkeypatch.setattr(bench, "_command_output", lambda *command: asked.append(command) or "f00dcafe")
+    assert bench.source_commit() == "f00dcafe"
+    assert asked == [("git", "describe", "--always", "--dirty", "--exclude=*")]
+
+
 DEVICE = {"name": "Test GPU", "driver": "580.1", "cuda_driver_api": "13.0", "commit": "abc1234",
           "date": "2026-01-01T00:00:00+00:00", "timing_gate": True}
 

@@ -74,6 +74,22 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2_bits(uint32_t two_bytes) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
+// Four E4M3 bytes to two fp16 pairs: lo from bytes 0-1, hi from bytes 2-3, exactly. Splitting the
+// word in PTX lets the conversion read its upper half directly instead of after a shift. (The
+// conversion instruction needs sm_89; older architectures take the intrinsic's emulation.)
+__device__ __forceinline__ void e4m3x4_to_half2x2_bits(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(four_bytes));
+#else
+  lo = e4m3x2_to_half2_bits(four_bytes & 0xFFFF);
+  hi = e4m3x2_to_half2_bits(four_bytes >> 16);
+#endif
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
 // ---- Asynchronous copies (global -> shared, sm_80+) -----------------------------------------
 
 // Copies BYTES (4, 8 or 16) from global to shared memory without passing through registers; a
@@ -81,7 +97,7 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2_bits(uint32_t two_bytes) {
 template <int BYTES>
 __device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-  const uint32_t dst_addr = uint32_t(__cvta_generic_to_shared(dst));
+  const uint32_t dst_addr = shared_address(dst);
   const uint32_t src_bytes = valid ? BYTES : 0;
   if constexpr (BYTES == 16) {  // streamed once: keep it out of L1
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src),
@@ -104,7 +120,7 @@ __device__ __forceinline__ void copy_async_wait() {
 // mbarrier in shared memory (its transaction count), which the consuming threads wait on. Each
 // stage of a warp's ring has one barrier, with one arrival per filling.
 //
-// Tensor copies, the barriers' transaction counts and the async-proxy fence need sm_90: a kernel
+// Tensor copies, the barriers' transaction counts and their initialisation fence need sm_90: a kernel
 // compiled for an older architecture copies every tile with cp.async, whatever the launch's maps
 // say, and synchronises its stages as before (cp.async groups and warp barriers alone).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -118,32 +134,30 @@ struct DecodeTensorMaps {
   uint32_t enabled;   // 0: the threads copy every tile (cp.async)
 };
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void barrier_init(uint64_t* barrier) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(barrier)));
+// The barrier helpers and copy_box take shared-memory addresses (shared_address): a warp computes
+// its barriers' addresses once, not per tile.
+__device__ __forceinline__ void barrier_init(uint32_t barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(barrier));
 }
 // Makes initialised barriers visible to the copy engine (the async proxy).
 __device__ __forceinline__ void barrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 // The filling thread's arrival, announcing `bytes` to come from tensor copies (0: none).
-__device__ __forceinline__ void barrier_arrive_expecting(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
+__device__ __forceinline__ void barrier_arrive_expecting(uint32_t barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes)
                : "memory");
 }
 // Waits until the barrier's phase of the given parity has completed.
-__device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t parity) {
+__device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "WAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n"
-      "}\n" ::"r"(shared_address(barrier)),
+      "}\n" ::"r"(barrier),
       "r"(parity)
       : "memory");
 }
-// Orders this thread's earlier shared-memory accesses (generic proxy) before later tensor copies.
-__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Fetches a tensor map (a kernel parameter) into the copy engine's descriptor cache ahead of the
 // first copy that uses it.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
@@ -151,11 +165,11 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
 }
 // The box of `map` at (byte x of a row, row y of a page, page z) into `dst` (128-byte aligned),
 // counted on `barrier`.
-__device__ __forceinline__ void copy_box(void* dst, const CUtensorMap& map, int x, int y, int z, uint64_t* barrier) {
+__device__ __forceinline__ void copy_box(uint32_t dst, const CUtensorMap& map, int x, int y, int z, uint32_t barrier) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];\n" ::"r"(shared_address(dst)),
-      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(z), "r"(shared_address(barrier))
+      "[%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(z), "r"(barrier)
       : "memory");
 }
 
@@ -242,11 +256,28 @@ __device__ __forceinline__ void pair_words(uint32_t a, uint32_t b, uint32_t (&pa
   pairs[1] = ((a >> BITS) & kEven) | (b & ~kEven);
 }
 
-// Byte offset (4 × pair index) of the pair of field f in a pair-index word.
-template <int BITS>
+// The level-pair table in shared memory: kCopies copies of each entry side by side (32-bit word
+// e·kCopies + c), lane l reading copy l % kCopies. A warp looks up random entries: with one copy,
+// lanes that want different entries of one bank wait on each other (3 bits: 64 entries in 32 banks,
+// two-way on average). With a copy per lane (3 bits: 8 KB) every lane reads a bank of its own. 2 bits
+// need no copies (16 entries, each in a bank of its own); a copy per lane of the 4-bit table would
+// take 32 KB, and a CTA per SM, as the 8 KB would at head_dim 512 (whose CTA needs more shared
+// memory for the query and the score exchange).
+template <int BITS, int HEAD_DIM>
+struct LevelPairTable {
+  static constexpr int kEntries = 1 << (2 * BITS);
+  static constexpr int kCopies = BITS == 3 && HEAD_DIM <= 256 ? 32 : 1;
+  static constexpr int kWords = kEntries * kCopies;
+  static constexpr int kEntryShift = kCopies == 32 ? 7 : 2;  // byte offset of entry e in copy 0: e << kEntryShift
+  static_assert(4 * kCopies == 1 << kEntryShift, "entries are kCopies words apart");
+};
+
+// Byte offset in copy 0 of the level-pair table of the pair of field f in a pair-index word.
+template <int BITS, int HEAD_DIM>
 __device__ __forceinline__ uint32_t pair_offset(uint32_t pairs, int f) {
-  constexpr uint32_t kMask = ((1u << (2 * BITS)) - 1) << 2;
-  const int shift = 2 * BITS * f - 2;
+  constexpr int kEntryShift = LevelPairTable<BITS, HEAD_DIM>::kEntryShift;
+  constexpr uint32_t kMask = ((1u << (2 * BITS)) - 1) << kEntryShift;
+  const int shift = 2 * BITS * f - kEntryShift;
   return (shift >= 0 ? pairs >> shift : pairs << -shift) & kMask;
 }
 
@@ -382,8 +413,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
   __shared__ float denom_s[S::kStreams][kHeadsPerCta];
   __shared__ __align__(16) float4 score_s[2][kDecodeWarps][S::kSlices > 1 ? 32 : 1];
-  // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]).
-  __shared__ __align__(16) uint32_t level_pair_s[1 << (2 * BITS)];
+  // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]), in
+  // LevelPairTable's copies.
+  using LevelPairs = LevelPairTable<BITS, HEAD_DIM>;
+  __shared__ __align__(16) uint32_t level_pair_s[LevelPairs::kWords];
   __shared__ float q_absmax_s[kDecodeWarps];
   // Checked mode, where a page is out of range: per warp and stage, the rows (bit r) of the tile
   // whose page is out of range.
@@ -486,8 +519,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
     if (lane == 0) q_absmax_s[warp] = q_absmax;
-    for (int i = tid; i < (1 << (2 * BITS)); i += kDecodeThreads)
-      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[i & ((1 << BITS) - 1)], Codebook<BITS>::levels()[i >> BITS]);
+    for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
+      const int e = i / LevelPairs::kCopies;
+      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[e & ((1 << BITS) - 1)], Codebook<BITS>::levels()[e >> BITS]);
+    }
     __syncthreads();
     q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
     int q_exp = 0;
@@ -574,7 +609,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     // Page ids. When a tile lies in one page (block_size % 16 == 0), lane j holds the page id of
     // tile 32·b + j of this warp's stream (batch b) in a register, and the next batch is loaded 32
     // tiles before it is needed. Otherwise the page ids of tile k's rows travel through the copy
-    // pipeline into page slot k % kDecodeStages, kDecodeStages - 1 tiles ahead of the data. Rows
+    // pipeline into page slot k % kDecodeStages (the stage's), kDecodeStages - 1 tiles ahead of the data. Rows
     // and tiles outside the range get page id 0 and are never read. Where checked mode masks pages,
     // a page id out of range becomes -1, which masks its tile.
     auto load_page_batch = [&](int batch) -> int32_t {
@@ -594,15 +629,20 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       page_batch = load_page_batch(0);
       next_page_batch = load_page_batch(1);
     }
-    auto copy_page_ids = [&](int k) {
+    // The callers pass a tile's stage index (k % kDecodeStages) along with k: they count it, which is
+    // cheaper than the remainder.
+    auto copy_page_ids = [&](int k, int slot) {
       if (tile_in_one_page || lane >= kTileTokens) return;
       const int tile = first_tile + k * tile_step;
       const bool valid = in_range(tile + lane);
       uint32_t block, offset;
       split_position(a, uint32_t(tile + lane), block, offset);
-      copy_async<4>(warp_pages + (k % kDecodeStages) * kTileTokens + lane, valid ? table + block : table, valid);
+      copy_async<4>(warp_pages + slot * kTileTokens + lane, valid ? table + block : table, valid);
     };
-    // K bytes, V codes and V scales of this warp's slice of tile k into stage k % kDecodeStages.
+    // The barrier of this warp's stage `slot`.
+    const uint32_t stage_filled_base = shared_address(&stage_filled_s[warp][0]);
+    auto stage_filled = [&](int slot) { return stage_filled_base + uint32_t(slot) * uint32_t(sizeof(uint64_t)); };
+    // K bytes, V codes and V scales of this warp's slice of tile k into stage `slot` (k % kDecodeStages).
     // The byte offset of 16-byte chunk `chunk` of K row `row` in a stage: rows of 128 bytes are
     // stored in the copy engine's 128-byte swizzle (the chunk index XOR bits 7-9 of the row's
     // address: (row + k_swizzle_phase) % 8, the phase being the same for every stage), which the
@@ -617,12 +657,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     // WHOLE (a tile of one page with every row in range, not masked: all but a range's first and
     // last tiles) drops the per-row validity tests and the zero-fill selects from the copies.
     // Tiles are copied in increasing k, which the page-id batches rely on.
-    auto copy_tile = [&](int k, auto one_page, auto whole) {
+    auto copy_tile = [&](int k, int slot, auto one_page, auto whole) {
       constexpr bool kOnePage = decltype(one_page)::value;
       constexpr bool kWhole = decltype(whole)::value;
       const int tile = first_tile + k * tile_step;
-      const int32_t* pages = warp_pages + (k % kDecodeStages) * kTileTokens;
-      const Stage stage = warp_stage(k % kDecodeStages);
+      const int32_t* pages = warp_pages + slot * kTileTokens;
+      const Stage stage = warp_stage(slot);
       uint32_t block, offset0;
       split_position(a, uint32_t(tile), block, offset0);
       uint64_t page0 = 0;
@@ -638,7 +678,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       } else if (kMaskPages) {
         masked_rows = __ballot_sync(0xffffffffu, lane < kTileTokens && a.index_check.page_out_of_range(pages[lane]));
       }
-      if (kMaskPages && lane == 0) masked_rows_s[warp][k % kDecodeStages] = masked_rows;
+      if (kMaskPages && lane == 0) masked_rows_s[warp][slot] = masked_rows;
       // Rows of the tile in a pool of the given page stride and row size, from byte `col` of the
       // row (row sizes are < 2^25: num_kv_heads <= 65535, head_dim <= 512).
       auto tile_rows = [&](const uint8_t* pool, uint64_t page_stride, uint32_t row_bytes, uint64_t col) {
@@ -659,14 +699,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // K rows and V code rows: a whole tile by the copy engine where the launch has tensor maps,
       // else by the threads (cp.async: rows out of range zero-filled), the stage's barrier phase then
       // completing with the arrival alone.
-      uint64_t* const stage_filled = &stage_filled_s[warp][k % kDecodeStages];
+      const uint32_t filled = stage_filled(slot);
       bool copied = false;
       if constexpr (kArchHasTensorCopies && kWhole && CODE_COPY == 16 && S::kCodeRowBytes % 16 == 0) {
         if (maps.enabled) {  // CTA-uniform
           if (lane == 0) {
-            barrier_arrive_expecting(stage_filled, S::kStageKBytes + S::kStageCodeBytes);
-            copy_box(stage.k, maps.k, int(k_slice), int(offset0), int(page0), stage_filled);
-            copy_box(stage.codes, maps.codes, int(code_slice), int(offset0), int(page0), stage_filled);
+            barrier_arrive_expecting(filled, S::kStageKBytes + S::kStageCodeBytes);
+            copy_box(shared_address(stage.k), maps.k, int(k_slice), int(offset0), int(page0), filled);
+            copy_box(shared_address(stage.codes), maps.codes, int(code_slice), int(offset0), int(page0), filled);
           }
           copied = true;
         }
@@ -698,7 +738,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
                                   valid ? src : a.v_cache, valid);
           }
         }
-        if (kArchHasTensorCopies && lane == 0) barrier_arrive_expecting(stage_filled, 0);
+        if (kArchHasTensorCopies && lane == 0) barrier_arrive_expecting(filled, 0);
       }
       // Scales: 4 or 8 bytes per row, in 4-byte copies.
       constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
@@ -712,14 +752,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       }
     };
 
-    auto copy_tile_any = [&](int k) {
+    auto copy_tile_any = [&](int k, int slot) {
       const int tile = first_tile + k * tile_step;
       if (!tile_in_one_page)
-        copy_tile(k, std::false_type{}, std::false_type{});
+        copy_tile(k, slot, std::false_type{}, std::false_type{});
       else if (!kMaskPages && tile >= range_begin && tile + kTileTokens <= range_end)
-        copy_tile(k, std::true_type{}, std::true_type{});
+        copy_tile(k, slot, std::true_type{}, std::true_type{});
       else
-        copy_tile(k, std::true_type{}, std::false_type{});
+        copy_tile(k, slot, std::true_type{}, std::false_type{});
     };
 
     // The attended ranges of this thread's columns 2t and 2t+1, where they differ from the CTA's.
@@ -745,21 +785,21 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 
     if (kArchHasTensorCopies && lane == 0) {
   #pragma unroll
-      for (int st = 0; st < kDecodeStages; ++st) barrier_init(&stage_filled_s[warp][st]);
+      for (int st = 0; st < kDecodeStages; ++st) barrier_init(stage_filled(st));
       barrier_init_fence();
     }
     __syncwarp();
 
     // Prologue: the page ids of the first kDecodeStages - 1 tiles, then those tiles, each copy group
     // also fetching the page ids that the copy kDecodeStages - 1 tiles later will need.
-    for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k);
+    for (int k = 0; k < kDecodeStages - 1 && k < num_tiles; ++k) copy_page_ids(k, k);
     copy_async_commit();
     copy_async_wait<0>();
     __syncwarp();
     for (int k = 0; k < kDecodeStages - 1; ++k) {
       __syncwarp();  // every lane has read page slot k - 1 before it is refilled
-      if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1);
-      if (k < num_tiles) copy_tile_any(k);
+      if (k + kDecodeStages - 1 < num_tiles) copy_page_ids(k + kDecodeStages - 1, (k + kDecodeStages - 1) % kDecodeStages);
+      if (k < num_tiles) copy_tile_any(k, k);
       copy_async_commit();
     }
 
@@ -771,22 +811,26 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     const int k_row_token[2] = {mma_row_token(g), mma_row_token(g + 8)};
     const int v_row_token[4] = {mma_row_token(2 * t), mma_row_token(2 * t + 1), mma_row_token(2 * t + 8),
                                 mma_row_token(2 * t + 9)};
-    int parity = 0;
-    for (int k = 0; k < num_tiles; ++k, parity ^= 1) {
+    // (slot + n) % kDecodeStages for 0 <= n < kDecodeStages.
+    auto slot_after = [](int slot, int n) { return slot + n >= kDecodeStages ? slot + n - kDecodeStages : slot + n; };
+    int slot = 0;                 // k % kDecodeStages: tile k's stage
+    uint32_t filled_parity = 0;   // (k / kDecodeStages) % 2: the phase of its barrier that tile k completes
+    for (int k = 0; k < num_tiles; ++k) {
       // Tile k (and the page ids of tile k + kDecodeStages - 1) have landed; every lane is done
-      // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills.
+      // with the stage of tile k - 1, which the copy of tile k + kDecodeStages - 1 refills. (No
+      // proxy fence before a tensor copy refills it: the lanes' reads of that stage have returned,
+      // their values consumed by the mma of tile k - 1, and the warp barrier orders them before the
+      // copy, as a consumer's barrier arrival does in a producer-consumer pipeline.)
       copy_async_wait<kDecodeStages - 2>();
-      // This lane's reads and copies of that stage come before a tensor copy refills it.
-      if constexpr (kArchHasTensorCopies) async_proxy_fence();
       __syncwarp();
-      if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2);
-      if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1);
+      if (k + 2 * kDecodeStages - 2 < num_tiles) copy_page_ids(k + 2 * kDecodeStages - 2, slot_after(slot, kDecodeStages - 2));
+      if (k + kDecodeStages - 1 < num_tiles) copy_tile_any(k + kDecodeStages - 1, slot_after(slot, kDecodeStages - 1));
       copy_async_commit();
 
       const int tile = first_tile + k * tile_step;
-      const Stage stage = warp_stage(k % kDecodeStages);
+      const Stage stage = warp_stage(slot);
       if constexpr (kArchHasTensorCopies)  // its tensor copies
-        barrier_wait(&stage_filled_s[warp][k % kDecodeStages], uint32_t(k / kDecodeStages) & 1);
+        barrier_wait(stage_filled(slot), filled_parity);
       // S^T = K · Q^T over this warp's d-slice: mma rows g, g+8 (tokens k_row_token), cols = heads (2t, 2t+1).
       uint4 k_bytes[2][S::kKChunks];
   #pragma unroll
@@ -800,10 +844,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       float s_part[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
   #pragma unroll
       for (int j = 0; j < S::kKSteps; ++j) {
-        const uint32_t k_lo = reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4];
-        const uint32_t k_hi = reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4];
-        const uint32_t a_frag[4] = {e4m3x2_to_half2_bits(k_lo & 0xFFFF), e4m3x2_to_half2_bits(k_hi & 0xFFFF),
-                                    e4m3x2_to_half2_bits(k_lo >> 16), e4m3x2_to_half2_bits(k_hi >> 16)};
+        uint32_t a_frag[4];  // rows g (k_lo) and g + 8 (k_hi), reduction pairs 0-1 and 2-3 of the chunk
+        e4m3x4_to_half2x2_bits(reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4], a_frag[0], a_frag[2]);
+        e4m3x4_to_half2x2_bits(reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4], a_frag[1], a_frag[3]);
         const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
         mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
       }
@@ -811,12 +854,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   #pragma unroll
       for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
       if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
-        score_s[parity][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
+        score_s[k & 1][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
         __syncthreads();
         float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   #pragma unroll
         for (int w = 0; w < S::kSlices; ++w) {
-          const float4 p = score_s[parity][stream * S::kSlices + w][lane];
+          const float4 p = score_s[k & 1][stream * S::kSlices + w][lane];
           total.x += p.x; total.y += p.y; total.z += p.z; total.w += p.w;
         }
         s[0] = total.x; s[1] = total.y; s[2] = total.z; s[3] = total.w;
@@ -826,7 +869,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // (fmaxf) but its weight exp2(NaN - m) is NaN, so it reaches the head's output as NaN.
       bool row_valid[2] = {in_range(tile + k_row_token[0]), in_range(tile + k_row_token[1])};
       if (kMaskPages) {  // rows of out-of-range pages take no part (copied as zeros)
-        const uint32_t masked = masked_rows_s[warp][k % kDecodeStages];
+        const uint32_t masked = masked_rows_s[warp][slot];
         row_valid[0] = row_valid[0] && !((masked >> k_row_token[0]) & 1);
         row_valid[1] = row_valid[1] && !((masked >> k_row_token[1]) & 1);
       }
@@ -923,6 +966,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
             pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
         }
         const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
+        const uint32_t lane_copy = 4 * (lane % LevelPairs::kCopies);  // byte offset of this lane's copy
   #pragma unroll
         for (int i = 0; i < S::kMTiles; ++i) {
           uint32_t a_frag[4];
@@ -931,7 +975,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
             const int e = 2 * i + (r & 1);
             const int pair = r >> 1;
             const int local = e % P::kCodesPerChunk;
-            const uint32_t offset = pair_offset<BITS>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2);
+            const uint32_t offset = pair_offset<BITS, HEAD_DIM>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2) | lane_copy;
             const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
             const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
             a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
@@ -939,6 +983,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
           mma_16x8x16(acc[i], a_frag, pb0, pb1);
         }
       }
+      slot = slot_after(slot, 1);
+      if (slot == 0) filled_parity ^= 1;
     }
     // The copies still in flight are of tiles past the end: drain them before the ring is reused.
     copy_async_wait<0>();
@@ -1140,6 +1186,33 @@ const void* decode_kernel_for(const DecodeArgs& args) {
              : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED>);
 }
 
+// Whether the kernels that run on the current device were compiled for sm_90 or later and so use
+// the tensor maps: the device is sm_90 or later and the library was built for it (a build without
+// sm_90 code runs older code there). Asked once per device, of the merge kernel's loaded binary
+// (every kernel of the library is built for the same architectures).
+inline bool device_runs_sm90_code() {
+  static std::atomic<int> cached[kDecodeMaxCachedDevices] = {};  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const bool cacheable = device >= 0 && device < kDecodeMaxCachedDevices;
+  if (cacheable) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known != 0) return known == 2;
+  }
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&merge_splits_kernel<128, false>)) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const bool sm90 = attributes.binaryVersion >= 90;
+  if (cacheable) cached[device].store(sm90 ? 2 : 1, std::memory_order_relaxed);
+  return sm90;
+}
+
 // cuTensorMapEncodeTiled of the driver, found once through the runtime (the library does not link
 // the driver library); null where the driver lacks it.
 using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -1190,6 +1263,7 @@ template <int BITS, int HEAD_DIM>
 DecodeTensorMaps decode_tensor_maps(const DecodeArgs& args) {
   using S = DecodeShape<BITS, HEAD_DIM>;
   DecodeTensorMaps maps{};
+  if (!device_runs_sm90_code()) return maps;  // its kernels would ignore them
   if constexpr (S::kCodeRowBytes % 16 == 0 && S::kMaxCodeCopy == 16) {
     const uint64_t row_elems = uint64_t(args.num_kv_heads) * HEAD_DIM;
     maps.enabled =

@@ -990,6 +990,16 @@ def _command_output(*command: str) -> str | None:
     return out.splitlines()[0] if out else None
 
 
+def source_commit() -> str | None:
+    """The commit of the code that runs, with "-dirty" where it had uncommitted changes: the one
+    an installed package was built from (the ``build_commit.txt`` the build puts beside it), else
+    that of the source checkout the package is imported from; None where neither is known."""
+    recorded = Path(__file__).with_name("build_commit.txt")
+    if recorded.is_file():
+        return recorded.read_text().strip() or None
+    return _command_output("git", "describe", "--always", "--dirty", "--exclude=*")
+
+
 def describe_device(dev: Device) -> dict[str, Any]:
     """The run's context: GPU, driver, software versions, commit and date (schema: `write_json`)."""
     cuda_version = driver_call(cu.cuDriverGetVersion)
@@ -1003,7 +1013,7 @@ def describe_device(dev: Device) -> dict[str, Any]:
         "sm_count": dev.attribute("MULTIPROCESSOR_COUNT"),
         "timing_gate": dev.gated,
         "library_version": version(),
-        "commit": _command_output("git", "rev-parse", "--short", "HEAD"),
+        "commit": source_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": _module_version("torch"),
