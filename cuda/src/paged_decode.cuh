@@ -158,6 +158,16 @@ __device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) 
       "r"(parity)
       : "memory");
 }
+// True in one lane of the warp (all lanes active). Where lane 0 alone issues an instruction that
+// takes uniform operands (a tensor copy, a barrier's initialisation), the compiler wraps it in a loop
+// over the active lanes, since it cannot tell that only one is; an elected lane needs no loop.
+__device__ __forceinline__ bool elect_one_lane() {
+  uint32_t elected;
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(elected));
+  return elected != 0;
+}
 // Fetches a tensor map (a kernel parameter) into the copy engine's descriptor cache ahead of the
 // first copy that uses it.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
@@ -703,7 +713,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       bool copied = false;
       if constexpr (kArchHasTensorCopies && kWhole && CODE_COPY == 16 && S::kCodeRowBytes % 16 == 0) {
         if (maps.enabled) {  // CTA-uniform
-          if (lane == 0) {
+          if (elect_one_lane()) {
             barrier_arrive_expecting(filled, S::kStageKBytes + S::kStageCodeBytes);
             copy_box(shared_address(stage.k), maps.k, int(k_slice), int(offset0), int(page0), filled);
             copy_box(shared_address(stage.codes), maps.codes, int(code_slice), int(offset0), int(page0), filled);
@@ -783,7 +793,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   #pragma unroll
     for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    if (kArchHasTensorCopies && lane == 0) {
+    if (kArchHasTensorCopies && elect_one_lane()) {
   #pragma unroll
       for (int st = 0; st < kDecodeStages; ++st) barrier_init(stage_filled(st));
       barrier_init_fence();
