@@ -793,7 +793,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   #pragma unroll
     for (int i = 0; i < S::kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    if (kArchHasTensorCopies && elect_one_lane()) {
+    if (kArchHasTensorCopies && lane == 0) {
   #pragma unroll
       for (int st = 0; st < kDecodeStages; ++st) barrier_init(stage_filled(st));
       barrier_init_fence();
