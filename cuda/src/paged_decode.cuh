@@ -158,9 +158,9 @@ __device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) 
       "r"(parity)
       : "memory");
 }
-// True in one lane of the warp (all lanes active). Where lane 0 alone issues an instruction that
-// takes uniform operands (a tensor copy, a barrier's initialisation), the compiler wraps it in a loop
-// over the active lanes, since it cannot tell that only one is; an elected lane needs no loop.
+// True in one lane of the warp (all lanes active; sm_90, like the tensor copies). Where lane 0 alone
+// issues a tensor copy, whose operands must be uniform, the compiler wraps it in a loop over the
+// active lanes, since it cannot tell that only one is; an elected lane needs no loop.
 __device__ __forceinline__ bool elect_one_lane() {
   uint32_t elected;
   asm volatile(
@@ -435,7 +435,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   __shared__ __align__(8) uint64_t stage_filled_s[kDecodeWarps][kDecodeStages];
 
   const int tid = threadIdx.x;
-  const int warp = tid / 32;
+  // Warp-uniform by construction; broadcast from lane 0 so that the compiler knows it, and may keep
+  // the values derived from it (stream, slice, stage and barrier addresses) in uniform registers,
+  // which leaves more of the 128 per thread to the tile loop (version 34: fewer spills).
+  const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
   const int lane = tid % 32;
   const int g = lane / 4;  // mma groupID
   const int t = lane % 4;  // mma threadID_in_group
