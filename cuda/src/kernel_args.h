@@ -144,7 +144,7 @@ constexpr int kDecodeMaxQueryLen = 16;  // query tokens per sequence at most (mu
 constexpr int kDecodeCtasPerSm = 4;     // launch bounds: registers sized for 4 resident CTAs per SM
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
 constexpr int kDecodeMaxSplits = 1024;  // context splits per sequence at most
-constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode occupancy is cached
+constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode facts (occupancy, code version) are cached
 
 // How a decode is split over CTAs (FORMAT §5 does not depend on it; rounding does, so a plan is
 // a pure function of the shape, the device's multiprocessor count and the workspace size).

@@ -158,6 +158,16 @@ __device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) 
       "r"(parity)
       : "memory");
 }
+// True in one lane of the warp (all lanes active; sm_90, like the tensor copies). Where lane 0 alone
+// issues a tensor copy, whose operands must be uniform, the compiler wraps it in a loop over the
+// active lanes, since it cannot tell that only one is; an elected lane needs no loop.
+__device__ __forceinline__ bool elect_one_lane() {
+  uint32_t elected;
+  asm volatile(
+      "{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(elected));
+  return elected != 0;
+}
 // Fetches a tensor map (a kernel parameter) into the copy engine's descriptor cache ahead of the
 // first copy that uses it.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
@@ -425,7 +435,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   __shared__ __align__(8) uint64_t stage_filled_s[kDecodeWarps][kDecodeStages];
 
   const int tid = threadIdx.x;
-  const int warp = tid / 32;
+  // Warp-uniform by construction; broadcast from lane 0 so that the compiler knows it, and may keep
+  // the values derived from it (stream, slice, stage and barrier addresses) in uniform registers,
+  // which leaves more of the 128 per thread to the tile loop (version 34: fewer spills).
+  const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
   const int lane = tid % 32;
   const int g = lane / 4;  // mma groupID
   const int t = lane % 4;  // mma threadID_in_group
@@ -703,7 +716,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       bool copied = false;
       if constexpr (kArchHasTensorCopies && kWhole && CODE_COPY == 16 && S::kCodeRowBytes % 16 == 0) {
         if (maps.enabled) {  // CTA-uniform
-          if (lane == 0) {
+          if (elect_one_lane()) {
             barrier_arrive_expecting(filled, S::kStageKBytes + S::kStageCodeBytes);
             copy_box(shared_address(stage.k), maps.k, int(k_slice), int(offset0), int(page0), filled);
             copy_box(shared_address(stage.codes), maps.codes, int(code_slice), int(offset0), int(page0), filled);
@@ -1186,30 +1199,39 @@ const void* decode_kernel_for(const DecodeArgs& args) {
              : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED>);
 }
 
-// Whether the kernels that run on the current device were compiled for sm_90 or later and so use
-// the tensor maps: the device is sm_90 or later and the library was built for it (a build without
-// sm_90 code runs older code there). Asked once per device, of the merge kernel's loaded binary
-// (every kernel of the library is built for the same architectures).
-inline bool device_runs_sm90_code() {
-  static std::atomic<int> cached[kDecodeMaxCachedDevices] = {};  // 0: not asked yet, 1: no, 2: yes
+// A positive value per device that the runtime is asked once (get: 0 where not asked yet, or for a
+// device beyond the cache, which is then asked every time).
+class PerDeviceCache {
+ public:
+  int get(int device) const { return cacheable(device) ? values_[device].load(std::memory_order_relaxed) : 0; }
+  void put(int device, int value) {
+    if (cacheable(device)) values_[device].store(value, std::memory_order_relaxed);
+  }
+
+ private:
+  static bool cacheable(int device) { return device >= 0 && device < kDecodeMaxCachedDevices; }
+  std::atomic<int> values_[kDecodeMaxCachedDevices] = {};
+};
+
+// Whether `kernel`, as it runs on the current device, is sm_90 code and so uses the tensor maps:
+// the device is sm_90 or later and the library was built for it (a build without sm_90 code runs
+// older code there). Every kernel of the library is built for the same architectures, so the
+// first kernel asked answers for all, once per device.
+inline bool runs_sm90_code(const void* kernel) {
+  static PerDeviceCache cache;  // 1: no, 2: yes
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  const bool cacheable = device >= 0 && device < kDecodeMaxCachedDevices;
-  if (cacheable) {
-    const int known = cached[device].load(std::memory_order_relaxed);
-    if (known != 0) return known == 2;
-  }
+  if (const int known = cache.get(device)) return known == 2;
   cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&merge_splits_kernel<128, false>)) !=
-      cudaSuccess) {
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
   const bool sm90 = attributes.binaryVersion >= 90;
-  if (cacheable) cached[device].store(sm90 ? 2 : 1, std::memory_order_relaxed);
+  cache.put(device, sm90 ? 2 : 1);
   return sm90;
 }
 
@@ -1258,12 +1280,12 @@ inline bool encode_pool_map(CUtensorMap* map, const void* pool, uint64_t row_byt
 
 // The tensor maps of a launch: K and V code rows where pages hold whole tiles and the code rows of
 // a warp's slice are 16-byte multiples at 16-byte aligned offsets (the wide code-copy instance);
-// else disabled, and the threads copy.
+// else disabled, and the threads copy. `kernel`: the decode kernel that the launch runs.
 template <int BITS, int HEAD_DIM>
-DecodeTensorMaps decode_tensor_maps(const DecodeArgs& args) {
+DecodeTensorMaps decode_tensor_maps(const DecodeArgs& args, const void* kernel) {
   using S = DecodeShape<BITS, HEAD_DIM>;
   DecodeTensorMaps maps{};
-  if (!device_runs_sm90_code()) return maps;  // its kernels would ignore them
+  if (!runs_sm90_code(kernel)) return maps;  // it would ignore them
   if constexpr (S::kCodeRowBytes % 16 == 0 && S::kMaxCodeCopy == 16) {
     const uint64_t row_elems = uint64_t(args.num_kv_heads) * HEAD_DIM;
     maps.enabled =
@@ -1289,7 +1311,7 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   const dim3 grid(args.num_seqs * plan.num_splits * args.num_kv_heads * plan.chunks_per_group);  // < 2^31
   DecodeArgs kernel_args = args;
   DecodePlan kernel_plan = plan;
-  DecodeTensorMaps maps = decode_tensor_maps<BITS, HEAD_DIM>(args);
+  DecodeTensorMaps maps = decode_tensor_maps<BITS, HEAD_DIM>(args, kernel);
   void* params[] = {&kernel_args, &kernel_plan, &maps};
   err = cudaLaunchKernel(kernel, grid, dim3(kDecodeThreads), params, kSmemBytes, stream);
   if (err != cudaSuccess || plan.num_splits == 1) return err;
@@ -1301,10 +1323,8 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
 
 template <int BITS, int HEAD_DIM>
 cudaError_t decode_ctas_per_sm(int device, int* count) {
-  // The answer depends on the device only: cached per device (0 = not asked yet).
-  static std::atomic<int> cached[kDecodeMaxCachedDevices] = {};
-  if (device >= 0 && device < kDecodeMaxCachedDevices && (*count = cached[device].load(std::memory_order_relaxed)) > 0)
-    return cudaSuccess;
+  static PerDeviceCache cache;  // the answer depends on the device only
+  if ((*count = cache.get(device)) > 0) return cudaSuccess;
   constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
   // The default (not EXTENDED) kernel's: all instances share the launch bounds and shared memory size.
   const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false>);
@@ -1313,7 +1333,7 @@ cudaError_t decode_ctas_per_sm(int device, int* count) {
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kDecodeThreads, kSmemBytes);
   if (err != cudaSuccess) return err;
   if (*count < 1) *count = 1;
-  if (device >= 0 && device < kDecodeMaxCachedDevices) cached[device].store(*count, std::memory_order_relaxed);
+  cache.put(device, *count);
   return cudaSuccess;
 }
 
