@@ -48,7 +48,6 @@ static_assert(v_page_bytes(16, 128, 2) == 5 * 16 * 128 / 16, "FORMAT §3: 2-bit 
   -2.4008f, -1.8435f, -1.4371f, -1.0993f, -0.7996f, -0.5224f, -0.2582f, 0.0f, 0.2582f, 0.5224f, 0.7996f, 1.0993f, \
       1.4371f, 1.8435f, 2.4008f
 #define FP8KTURBOV_BOUNDS3 -1.748f, -1.050f, -0.501f, 0.0f, 0.501f, 1.050f, 1.748f
-#define FP8KTURBOV_BOUNDS2 -0.9816f, 0.0f, 0.9816f
 static __constant__ float kLevels4[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f,
                                           -0.9423f, -0.6568f, -0.3880f, -0.1284f,
                                           0.1284f,  0.3880f,  0.6568f,  0.9423f,
@@ -58,7 +57,7 @@ static __constant__ float kLevels3[8] = {-2.1520f, -1.3440f, -0.7560f, -0.2451f,
                                          0.2451f,  0.7560f,  1.3440f,  2.1520f};
 static __constant__ float kBounds3[7] = {FP8KTURBOV_BOUNDS3};
 static __constant__ float kLevels2[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
-static __constant__ float kBounds2[3] = {FP8KTURBOV_BOUNDS2};
+static __constant__ float kBounds2[3] = {-0.9816f, 0.0f, 0.9816f};
 
 template <int BITS>
 struct Codebook;
@@ -79,7 +78,6 @@ struct Codebook<3> {
 template <>
 struct Codebook<2> {
   static constexpr float kMax = 1.5104f;
-  static constexpr float kHostBounds[3] = {FP8KTURBOV_BOUNDS2};
   static __device__ __forceinline__ const float* levels() { return kLevels2; }
   static __device__ __forceinline__ const float* bounds() { return kBounds2; }
 };
@@ -105,6 +103,8 @@ __device__ __forceinline__ float e4m3_decode(uint8_t byte) {
 // is the same, bit for bit, wherever the cell computation rounds: a cell's entry is made for its
 // window widened by kCellSlack on both sides (the first and last cells reach to -inf and +inf), far
 // beyond that rounding, and the compile-time check below keeps every window to one bound at most.
+// With 2 bits (three bounds) two comparisons with the bounds themselves cost less than the lookup,
+// and the codebook table has no cells.
 struct CodeCell {
   float bound;          // the next bound (NaN where none is left: no value reaches it)
   uint32_t code_below;  // the code of the values below the cell's window
@@ -113,8 +113,9 @@ constexpr float kCellSlack = 1e-5f;  // in units of y; the cell computation's ro
 
 template <int BITS>
 struct CodeCells {
+  static_assert(BITS >= 3, "2-bit codes are found without cells");
   using CB = Codebook<BITS>;
-  static constexpr int kCells = 2 << BITS;  // cells 0.38, 0.27, 0.17 wide (2, 3, 4 bits)
+  static constexpr int kCells = 2 << BITS;  // cells 0.27 and 0.17 wide (3 and 4 bits)
   static constexpr float kCellsPerUnit = float(kCells) / (2.0f * CB::kMax);
   static constexpr int kBounds = (1 << BITS) - 1;
   // Every window holds at most one bound: the bounds are further apart than a widened cell, and the
@@ -123,7 +124,7 @@ struct CodeCells {
     const float window = 1.0f / kCellsPerUnit + 2.0f * kCellSlack;
     for (int i = 1; i < kBounds; ++i)
       if (CB::kHostBounds[i] - CB::kHostBounds[i - 1] <= window) return false;
-    return kBounds < 2 || (CB::kHostBounds[1] > -CB::kMax + window && CB::kHostBounds[kBounds - 2] < CB::kMax - window);
+    return CB::kHostBounds[1] > -CB::kMax + window && CB::kHostBounds[kBounds - 2] < CB::kMax - window;
   }
   static_assert(windows_hold_one_bound(), "a code cell's window holds at most one bound");
 };
@@ -134,6 +135,10 @@ template <int BITS>
 struct CodebookTable {
   float levels[1 << BITS];
   CodeCell cells[CodeCells<BITS>::kCells];
+};
+template <>
+struct CodebookTable<2> {
+  float levels[4];
 };
 
 // The entry of code cell `cell`, from the bounds (FORMAT §3.1): the bounds at or below the window's
@@ -149,14 +154,22 @@ __device__ __forceinline__ CodeCell code_cell(int cell) {
   return {below < uint32_t(C::kBounds) ? Codebook<BITS>::bounds()[below] : NAN, below};
 }
 
-// FORMAT §3.2 step 3: the code of y, by its code cell.
+// FORMAT §3.2 step 3: the code of y, by its code cell; with 2 bits, by the middle bound and then the
+// outer bound on y's side (read by every lane alike: no serialised constant reads).
 template <int BITS>
 __device__ __forceinline__ uint32_t code_of(float y, const CodebookTable<BITS>& table) {
-  using C = CodeCells<BITS>;
-  // Float-to-integer conversion saturates: negative (and NaN) to 0.
-  const uint32_t cell = min(__float2uint_rz(fmaf(y, C::kCellsPerUnit, float(C::kCells / 2))), uint32_t(C::kCells - 1));
-  const CodeCell entry = table.cells[cell];
-  return entry.code_below + (y >= entry.bound ? 1u : 0u);
+  if constexpr (BITS == 2) {
+    const float* bounds = Codebook<2>::bounds();
+    const float lower = bounds[0], middle = bounds[1], upper = bounds[2];
+    const bool upper_half = y >= middle;
+    return (upper_half ? 2u : 0u) + (y >= (upper_half ? upper : lower) ? 1u : 0u);
+  } else {
+    using C = CodeCells<BITS>;
+    // Float-to-integer conversion saturates: negative (and NaN) to 0.
+    const uint32_t cell = min(__float2uint_rz(fmaf(y, C::kCellsPerUnit, float(C::kCells / 2))), uint32_t(C::kCells - 1));
+    const CodeCell entry = table.cells[cell];
+    return entry.code_below + (y >= entry.bound ? 1u : 0u);
+  }
 }
 
 // FORMAT §3.2: the reference "matched-norm" encoder for one group of 16 values.
