@@ -161,6 +161,43 @@ def test_large_mse_write_matches_reference_byte_for_byte(device, rng, bits):
     assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group_max", [1.0, 3.0])
+def test_write_codes_every_bf16_value(device, rng, bits, group_max):
+    """Every finite bf16 value x with |x| <= group_max, 15 to a group whose largest element is
+    group_max, so that x * (kMax / group_max) sweeps the whole scaled range, from subnormals to
+    the top level: the V codes (looked up by code cell, FORMAT §3.2 step 3) and scales must be the
+    reference's, byte for byte."""
+    all_bf16 = np.arange(1 << 16, dtype=np.uint16).view(BF16).astype(np.float32)
+    sweep = all_bf16[np.isfinite(all_bf16) & (np.abs(all_bf16) <= group_max)]
+    sweep = np.concatenate([sweep, np.zeros(-sweep.size % 15, np.float32)])
+    groups = np.concatenate([np.full((sweep.size // 15, 1), group_max, np.float32), sweep.reshape(-1, 15)], axis=1)
+    num_kv_heads, head_dim, block_size = 2, 128, 16
+    n = num_kv_heads * head_dim
+    groups = np.concatenate([groups, np.zeros((-len(groups) % (n // 16), 16), np.float32)])
+    value = groups.reshape(-1, n).astype(BF16)
+    num_tokens = len(value)
+    key = random_rows(rng, num_tokens, n, n, hostile=False)
+    num_blocks = -(-num_tokens // block_size)
+    k_stride = ref.k_page_bytes(block_size, num_kv_heads, head_dim)
+    v_data = ref.v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
+    v_stride = ref.v_page_bytes(block_size, num_kv_heads, head_dim, bits)
+    slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int64)
+    k_pool, v_pool = random_pool(rng, num_blocks * k_stride), random_pool(rng, num_blocks * v_stride)
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    ref.write_cache(key, value, want_k, want_v, slots, num_tokens, num_kv_heads, head_dim, block_size,
+                    n, n, 0.05, k_stride, v_stride, v_data, bits)
+    k_dev, v_dev = device.upload(k_pool), device.upload(v_pool)
+    fp8kturbov.reshape_and_cache(
+        device.upload(key.view(np.uint16)), device.upload(value.view(np.uint16)), k_dev, v_dev,
+        device.upload(slots), num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, key_stride=n, value_stride=n, k_scale=0.05, v_bits=bits,
+        k_block_stride_bytes=k_stride, v_block_stride_bytes=v_stride, v_data_section_bytes=v_data,
+        stream=device.stream)
+    assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
+    assert_pools_equal(device.download(k_dev, k_pool), want_k, "K pool")
+
+
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.stem)
 def test_write_reproduces_golden_pools(device, path):
     g = np.load(path)

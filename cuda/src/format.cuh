@@ -42,17 +42,20 @@ static_assert(v_page_bytes(16, 128, 3) == 7 * 16 * 128 / 16, "FORMAT §3: 3-bit 
 static_assert(v_page_bytes(16, 128, 2) == 5 * 16 * 128 / 16, "FORMAT §3: 2-bit page is 5Bn/16");
 
 // FORMAT §3.1: Lloyd–Max levels (code 0 … 2^b−1) and ascending decision bounds, as float32.
-// Device tables live in constant memory (internal linkage: one copy per translation unit).
+// Device tables live in constant memory (internal linkage: one copy per translation unit); the
+// bounds are also host constants, for the compile-time check of the code cells (CodeCells).
+#define FP8KTURBOV_BOUNDS4 \
+  -2.4008f, -1.8435f, -1.4371f, -1.0993f, -0.7996f, -0.5224f, -0.2582f, 0.0f, 0.2582f, 0.5224f, 0.7996f, 1.0993f, \
+      1.4371f, 1.8435f, 2.4008f
+#define FP8KTURBOV_BOUNDS3 -1.748f, -1.050f, -0.501f, 0.0f, 0.501f, 1.050f, 1.748f
 static __constant__ float kLevels4[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f,
                                           -0.9423f, -0.6568f, -0.3880f, -0.1284f,
                                           0.1284f,  0.3880f,  0.6568f,  0.9423f,
                                           1.2562f,  1.6180f,  2.0690f,  2.7326f};
-static __constant__ float kBounds4[15] = {-2.4008f, -1.8435f, -1.4371f, -1.0993f, -0.7996f,
-                                          -0.5224f, -0.2582f, 0.0f,     0.2582f,  0.5224f,
-                                          0.7996f,  1.0993f,  1.4371f,  1.8435f,  2.4008f};
+static __constant__ float kBounds4[15] = {FP8KTURBOV_BOUNDS4};
 static __constant__ float kLevels3[8] = {-2.1520f, -1.3440f, -0.7560f, -0.2451f,
                                          0.2451f,  0.7560f,  1.3440f,  2.1520f};
-static __constant__ float kBounds3[7] = {-1.748f, -1.050f, -0.501f, 0.0f, 0.501f, 1.050f, 1.748f};
+static __constant__ float kBounds3[7] = {FP8KTURBOV_BOUNDS3};
 static __constant__ float kLevels2[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
 static __constant__ float kBounds2[3] = {-0.9816f, 0.0f, 0.9816f};
 
@@ -61,12 +64,14 @@ struct Codebook;
 template <>
 struct Codebook<4> {
   static constexpr float kMax = 2.7326f;
+  static constexpr float kHostBounds[15] = {FP8KTURBOV_BOUNDS4};
   static __device__ __forceinline__ const float* levels() { return kLevels4; }
   static __device__ __forceinline__ const float* bounds() { return kBounds4; }
 };
 template <>
 struct Codebook<3> {
   static constexpr float kMax = 2.1520f;
+  static constexpr float kHostBounds[7] = {FP8KTURBOV_BOUNDS3};
   static __device__ __forceinline__ const float* levels() { return kLevels3; }
   static __device__ __forceinline__ const float* bounds() { return kBounds3; }
 };
@@ -89,24 +94,82 @@ __device__ __forceinline__ float e4m3_decode(uint8_t byte) {
   return static_cast<float>(v);
 }
 
+// FORMAT §3.2 step 3 gives a value y the code "number of bounds that y reaches (y >= bound)". The
+// encoders find it in one table lookup: the scaled values' range [-kMax, kMax] is cut into kCells
+// equal cells, each narrower than the gaps between the bounds, and y's cell,
+// min(floor(y * kCellsPerUnit + kCells / 2), kCells - 1) (0 for y below the range and for NaN), holds
+// the code of the values just below the cell (`code_below`, the bounds that they reach) and the next
+// bound, which is the only one that y can reach besides: code = code_below + (y >= bound). The count
+// is the same, bit for bit, wherever the cell computation rounds: a cell's entry is made for its
+// window widened by kCellSlack on both sides (the first and last cells reach to -inf and +inf), far
+// beyond that rounding, and the compile-time check below keeps every window to one bound at most.
+// With 2 bits (three bounds) two comparisons with the bounds themselves cost less than the lookup,
+// and the codebook table has no cells.
+struct CodeCell {
+  float bound;          // the next bound (NaN where none is left: no value reaches it)
+  uint32_t code_below;  // the code of the values below the cell's window
+};
+constexpr float kCellSlack = 1e-5f;  // in units of y; the cell computation's rounding is below 1e-6
+
+template <int BITS>
+struct CodeCells {
+  static_assert(BITS >= 3, "2-bit codes are found without cells");
+  using CB = Codebook<BITS>;
+  static constexpr int kCells = 2 << BITS;  // cells 0.27 and 0.17 wide (3 and 4 bits)
+  static constexpr float kCellsPerUnit = float(kCells) / (2.0f * CB::kMax);
+  static constexpr int kBounds = (1 << BITS) - 1;
+  // Every window holds at most one bound: the bounds are further apart than a widened cell, and the
+  // first (last) window, which reaches to -inf (+inf), ends below the second (above the last but one).
+  static constexpr bool windows_hold_one_bound() {
+    const float window = 1.0f / kCellsPerUnit + 2.0f * kCellSlack;
+    for (int i = 1; i < kBounds; ++i)
+      if (CB::kHostBounds[i] - CB::kHostBounds[i - 1] <= window) return false;
+    return CB::kHostBounds[1] > -CB::kMax + window && CB::kHostBounds[kBounds - 2] < CB::kMax - window;
+  }
+  static_assert(windows_hold_one_bound(), "a code cell's window holds at most one bound");
+};
+
 // The codebook where the threads of a warp read different entries at once: kernels keep a copy in
 // shared memory, since constant memory serialises a warp's reads of different addresses.
 template <int BITS>
 struct CodebookTable {
   float levels[1 << BITS];
-  float bounds[(1 << BITS) - 1];
+  CodeCell cells[CodeCells<BITS>::kCells];
+};
+template <>
+struct CodebookTable<2> {
+  float levels[4];
 };
 
-// FORMAT §3.2 step 3: the code of y, the number of bounds that y reaches (y >= bound), by binary
-// search over the ascending bounds: BITS comparisons instead of 2^BITS - 1. The count is the same,
-// bit for bit: y >= bound holds for a prefix of the bounds (for none where y is NaN).
+// The entry of code cell `cell`, from the bounds (FORMAT §3.1): the bounds at or below the window's
+// lower end (y_cell − kCellSlack, the cell's lower edge y_cell = (cell − kCells / 2) / kCellsPerUnit;
+// −inf for cell 0) are reached by every value in the window.
+template <int BITS>
+__device__ __forceinline__ CodeCell code_cell(int cell) {
+  using C = CodeCells<BITS>;
+  const float window_low =
+      cell == 0 ? -INFINITY : __fsub_rn(__fdiv_rn(float(cell - C::kCells / 2), C::kCellsPerUnit), kCellSlack);
+  uint32_t below = 0;
+  for (int i = 0; i < C::kBounds; ++i) below += Codebook<BITS>::bounds()[i] <= window_low;
+  return {below < uint32_t(C::kBounds) ? Codebook<BITS>::bounds()[below] : NAN, below};
+}
+
+// FORMAT §3.2 step 3: the code of y, by its code cell; with 2 bits, by the middle bound and then the
+// outer bound on y's side (read by every lane alike: no serialised constant reads).
 template <int BITS>
 __device__ __forceinline__ uint32_t code_of(float y, const CodebookTable<BITS>& table) {
-  uint32_t code = 0;
-#pragma unroll
-  for (uint32_t step = 1u << (BITS - 1); step > 0; step >>= 1)
-    if (y >= table.bounds[code + step - 1]) code += step;
-  return code;
+  if constexpr (BITS == 2) {
+    const float* bounds = Codebook<2>::bounds();
+    const float lower = bounds[0], middle = bounds[1], upper = bounds[2];
+    const bool upper_half = y >= middle;
+    return (upper_half ? 2u : 0u) + (y >= (upper_half ? upper : lower) ? 1u : 0u);
+  } else {
+    using C = CodeCells<BITS>;
+    // Float-to-integer conversion saturates: negative (and NaN) to 0.
+    const uint32_t cell = min(__float2uint_rz(fmaf(y, C::kCellsPerUnit, float(C::kCells / 2))), uint32_t(C::kCells - 1));
+    const CodeCell entry = table.cells[cell];
+    return entry.code_below + (y >= entry.bound ? 1u : 0u);
+  }
 }
 
 // FORMAT §3.2: the reference "matched-norm" encoder for one group of 16 values.

@@ -51,11 +51,14 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&bytes)
   }
 }
 
-// Copies the codebook into the CTA's shared table (CodebookTable), then a CTA barrier.
+// Fills the CTA's shared table (CodebookTable: the levels and, from 3 bits, the code cells), then a
+// CTA barrier.
 template <int BITS>
 __device__ __forceinline__ void load_codebook(CodebookTable<BITS>& table) {
   if (threadIdx.x < (1 << BITS)) table.levels[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
-  if (threadIdx.x < (1 << BITS) - 1) table.bounds[threadIdx.x] = Codebook<BITS>::bounds()[threadIdx.x];
+  if constexpr (BITS >= 3) {
+    if (threadIdx.x < CodeCells<BITS>::kCells) table.cells[threadIdx.x] = code_cell<BITS>(threadIdx.x);
+  }
   __syncthreads();
 }
 
