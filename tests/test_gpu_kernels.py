@@ -129,6 +129,29 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
     assert not np.array_equal(want_k, k_pool), "the write changed nothing: the test proves nothing"
 
 
+def assert_packed_write_matches_reference(device, rng, key, value, slots, bits, num_kv_heads, head_dim,
+                                          block_size, num_blocks, encoder="matched_norm"):
+    """Writes the token rows (bf16 [tokens, num_kv_heads * head_dim], unpadded) at `slots` into packed
+    pools of random bytes, by the reference and by the kernel; both pools must match byte for byte."""
+    num_tokens, n = len(value), num_kv_heads * head_dim
+    k_stride = ref.k_page_bytes(block_size, num_kv_heads, head_dim)
+    v_data = ref.v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
+    v_stride = ref.v_page_bytes(block_size, num_kv_heads, head_dim, bits)
+    k_pool, v_pool = random_pool(rng, num_blocks * k_stride), random_pool(rng, num_blocks * v_stride)
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    ref.write_cache(key, value, want_k, want_v, slots, num_tokens, num_kv_heads, head_dim, block_size,
+                    n, n, 0.05, k_stride, v_stride, v_data, bits, encoder=encoder)
+    k_dev, v_dev = device.upload(k_pool), device.upload(v_pool)
+    fp8kturbov.reshape_and_cache(
+        device.upload(key.view(np.uint16)), device.upload(value.view(np.uint16)), k_dev, v_dev,
+        device.upload(slots), num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, key_stride=n, value_stride=n, k_scale=0.05, v_bits=bits,
+        k_block_stride_bytes=k_stride, v_block_stride_bytes=v_stride, v_data_section_bytes=v_data,
+        v_encoder=fp8kturbov.VEncoder[encoder.upper()], stream=device.stream)
+    assert_pools_equal(device.download(k_dev, k_pool), want_k, "K pool")
+    assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_large_mse_write_matches_reference_byte_for_byte(device, rng, bits):
     """A write of more groups than the MSE encoder searches with a warp each (16384): one thread
@@ -136,9 +159,6 @@ def test_large_mse_write_matches_reference_byte_for_byte(device, rng, bits):
     num_kv_heads, head_dim, block_size, num_tokens = 2, 128, 16, 1100  # 17600 groups
     n = num_kv_heads * head_dim
     num_blocks = -(-num_tokens // block_size) + 2
-    k_stride = ref.k_page_bytes(block_size, num_kv_heads, head_dim)
-    v_data = ref.v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
-    v_stride = ref.v_page_bytes(block_size, num_kv_heads, head_dim, bits)
     key = random_rows(rng, num_tokens, n, n, hostile=True)
     value = random_rows(rng, num_tokens, n, n, hostile=True)
     groups = value.reshape(num_tokens, -1, 16)
@@ -146,19 +166,8 @@ def test_large_mse_write_matches_reference_byte_for_byte(device, rng, bits):
     groups[pick < 0.05] *= BF16(2.0**-12)
     groups[(pick >= 0.05) & (pick < 0.08)] *= BF16(2.0**61)
     slots = random_slots(rng, num_tokens, num_blocks * block_size)
-    k_pool, v_pool = random_pool(rng, num_blocks * k_stride), random_pool(rng, num_blocks * v_stride)
-    want_k, want_v = k_pool.copy(), v_pool.copy()
-    ref.write_cache(key, value, want_k, want_v, slots, num_tokens, num_kv_heads, head_dim, block_size,
-                    n, n, 0.05, k_stride, v_stride, v_data, bits, encoder="mse")
-    k_dev, v_dev = device.upload(k_pool), device.upload(v_pool)
-    fp8kturbov.reshape_and_cache(
-        device.upload(key.view(np.uint16)), device.upload(value.view(np.uint16)), k_dev, v_dev,
-        device.upload(slots), num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, key_stride=n, value_stride=n, k_scale=0.05, v_bits=bits,
-        k_block_stride_bytes=k_stride, v_block_stride_bytes=v_stride, v_data_section_bytes=v_data,
-        v_encoder=fp8kturbov.VEncoder.MSE, stream=device.stream)
-    assert_pools_equal(device.download(k_dev, k_pool), want_k, "K pool")
-    assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
+    assert_packed_write_matches_reference(device, rng, key, value, slots, bits, num_kv_heads, head_dim,
+                                          block_size, num_blocks, encoder="mse")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -179,23 +188,9 @@ def test_write_codes_every_bf16_value(device, rng, bits, group_max):
     num_tokens = len(value)
     key = random_rows(rng, num_tokens, n, n, hostile=False)
     num_blocks = -(-num_tokens // block_size)
-    k_stride = ref.k_page_bytes(block_size, num_kv_heads, head_dim)
-    v_data = ref.v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
-    v_stride = ref.v_page_bytes(block_size, num_kv_heads, head_dim, bits)
-    slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int64)
-    k_pool, v_pool = random_pool(rng, num_blocks * k_stride), random_pool(rng, num_blocks * v_stride)
-    want_k, want_v = k_pool.copy(), v_pool.copy()
-    ref.write_cache(key, value, want_k, want_v, slots, num_tokens, num_kv_heads, head_dim, block_size,
-                    n, n, 0.05, k_stride, v_stride, v_data, bits)
-    k_dev, v_dev = device.upload(k_pool), device.upload(v_pool)
-    fp8kturbov.reshape_and_cache(
-        device.upload(key.view(np.uint16)), device.upload(value.view(np.uint16)), k_dev, v_dev,
-        device.upload(slots), num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, key_stride=n, value_stride=n, k_scale=0.05, v_bits=bits,
-        k_block_stride_bytes=k_stride, v_block_stride_bytes=v_stride, v_data_section_bytes=v_data,
-        stream=device.stream)
-    assert_pools_equal(device.download(v_dev, v_pool), want_v, "V pool")
-    assert_pools_equal(device.download(k_dev, k_pool), want_k, "K pool")
+    slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int64)  # no padding: every row written
+    assert_packed_write_matches_reference(device, rng, key, value, slots, bits, num_kv_heads, head_dim,
+                                          block_size, num_blocks)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.stem)
