@@ -175,8 +175,8 @@ def test_large_mse_write_matches_reference_byte_for_byte(device, rng, bits):
 def test_write_codes_every_bf16_value(device, rng, bits, group_max):
     """Every finite bf16 value x with |x| <= group_max, 15 to a group whose largest element is
     group_max, so that x * (kMax / group_max) sweeps the whole scaled range, from subnormals to
-    the top level: the V codes (looked up by code cell, FORMAT §3.2 step 3) and scales must be the
-    reference's, byte for byte."""
+    the top level: the V codes (FORMAT §3.2 step 3, found by code cell from 3 bits and by two
+    comparisons with 2) and scales must be the reference's, byte for byte."""
     all_bf16 = np.arange(1 << 16, dtype=np.uint16).view(BF16).astype(np.float32)
     sweep = all_bf16[np.isfinite(all_bf16) & (np.abs(all_bf16) <= group_max)]
     sweep = np.concatenate([sweep, np.zeros(-sweep.size % 15, np.float32)])
