@@ -73,7 +73,7 @@ template <int BITS>
 __device__ __forceinline__ void load_codebook(CodebookTable<BITS>& table) {
   if (threadIdx.x < (1 << BITS)) table.levels[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
   if constexpr (BITS >= 3) {
-    if (threadIdx.x < CodeCells<BITS>::kCells) table.cells[threadIdx.x] = code_cell<BITS>(threadIdx.x);
+    if (threadIdx.x < CodeCells<BITS>::kCells) table.cells[threadIdx.x] = kCodeCells<BITS>.entries[threadIdx.x];
   }
   __syncthreads();
 }
