@@ -443,12 +443,14 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
-// The split plan. The CTAs of a decode run in waves of multiprocessors * ctas_per_sm; a last wave
-// that is mostly empty leaves the GPU idle for its whole length. So the plan takes the fewest
-// context splits that fill the waves to kDecodeWaveFill (or the best filling within reach), each
-// split at least kDecodeMinSplitTiles tiles long, and no split unless the workspace holds the
-// partials. A pure function of the shape, the device and the workspace size.
-constexpr double kDecodeWaveFill = 0.95;
+// The split plan. The CTAs of a decode run in waves of multiprocessors * ctas_per_sm, and a CTA
+// lasts as long as its busiest token stream (decode_streams_per_cta): a split of 33 tiles over 4
+// streams runs 9, 8, 8 and 8 tiles, as long as one of 36. So the plan takes the split count with
+// the fewest tile times, waves × tiles per stream (the fewest splits of equal ones), with splits
+// cut into whole tiles per stream, each at least kDecodeMinSplitTiles tiles long, and no split
+// unless the workspace holds the partials. A pure function of the shape, the device and the
+// workspace size.
+constexpr uint64_t kDecodeMaxWaves = 8;  // splits add CTAs up to this many waves at most
 
 uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
   const uint64_t table_positions = uint64_t(p.max_blocks_per_seq) * p.block_size;
@@ -456,7 +458,8 @@ uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
   const uint64_t window_span = uint64_t(p.sliding_window) + query_rows_per_seq(p) - 1;
   const uint64_t span = p.sliding_window > 0 && window_span < table_positions ? window_span : table_positions;
   // Tiles sit on multiples of 16 positions: an unaligned window start adds at most one tile.
-  return (span + 2 * kDecodeTileTokens - 2) / kDecodeTileTokens;
+  const uint64_t unaligned_start = p.sliding_window > 0 ? kDecodeTileTokens - 1 : 0;
+  return (span + unaligned_start + kDecodeTileTokens - 1) / kDecodeTileTokens;
 }
 
 DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors, int ctas_per_sm,
@@ -468,21 +471,25 @@ DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
   const uint64_t slots = uint64_t(std::max(multiprocessors, 1)) * std::max(ctas_per_sm, 1);
   const uint64_t max_splits = std::min<uint64_t>({kDecodeMaxSplits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles),
                                                   INT32_MAX / std::max<uint64_t>(base_ctas, 1),
-                                                  (8 * slots + base_ctas - 1) / std::max<uint64_t>(base_ctas, 1)});
-  auto realized = [&](uint64_t splits) {  // splits of whole tiles, as the kernel cuts them
-    const uint64_t tiles_per_split = (tiles + splits - 1) / splits;
-    return (tiles + tiles_per_split - 1) / tiles_per_split;
+                                                  (kDecodeMaxWaves * slots + base_ctas - 1) / std::max<uint64_t>(base_ctas, 1)});
+  const uint64_t streams = uint64_t(decode_streams_per_cta(int(p.head_dim)));
+  auto tiles_per_split = [&](uint64_t splits) {  // a multiple of the streams, as long as they are busy
+    return ((tiles + splits - 1) / splits + streams - 1) / streams * streams;
   };
-  auto fill = [&](uint64_t splits) {
-    const uint64_t ctas = base_ctas * realized(splits);
-    return double(ctas) / double((ctas + slots - 1) / slots * slots);
+  auto realized = [&](uint64_t splits) { return (tiles + tiles_per_split(splits) - 1) / tiles_per_split(splits); };
+  auto tile_times = [&](uint64_t splits) {
+    const uint64_t waves = (base_ctas * realized(splits) + slots - 1) / slots;
+    return waves * (tiles_per_split(splits) / streams);
   };
+  // For w waves, the most splits that fit in them give the shortest streams: the best candidate
+  // for w. (max_splits holds the CTAs to kDecodeMaxWaves waves.)
   uint64_t splits = 1;
-  for (uint64_t candidate = 1; candidate <= max_splits && fill(splits) < kDecodeWaveFill; ++candidate)
-    if (fill(candidate) > fill(splits)) splits = candidate;
-  const uint64_t tiles_per_split = (tiles + splits - 1) / splits;
+  for (uint64_t waves = 1; waves <= kDecodeMaxWaves; ++waves) {
+    const uint64_t candidate = std::min(max_splits, waves * slots / std::max<uint64_t>(base_ctas, 1));
+    if (candidate > 1 && tile_times(candidate) < tile_times(splits)) splits = candidate;
+  }
   plan.num_splits = uint32_t(realized(splits));
-  plan.split_tokens = int32_t(std::min<uint64_t>(tiles_per_split * kDecodeTileTokens, INT32_MAX));
+  plan.split_tokens = int32_t(std::min<uint64_t>(tiles_per_split(splits) * kDecodeTileTokens, INT32_MAX));
   plan.workspace = static_cast<float*>(p.workspace);
   if (plan.num_splits > 1 &&
       decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim) >

@@ -4,6 +4,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <limits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -127,7 +128,29 @@ struct CodeCells {
     return CB::kHostBounds[1] > -CB::kMax + window && CB::kHostBounds[kBounds - 2] < CB::kMax - window;
   }
   static_assert(windows_hold_one_bound(), "a code cell's window holds at most one bound");
+
+  // The entries, computed at compile time from the bounds (FORMAT §3.1): the bounds at or below a
+  // window's lower end, y_cell − kCellSlack (y_cell = (cell − kCells / 2) / kCellsPerUnit, the cell's
+  // lower edge; −inf for cell 0), are reached by every value in the window.
+  struct Table {
+    CodeCell entries[kCells];
+  };
+  static constexpr Table table() {
+    Table t{};
+    for (int cell = 0; cell < kCells; ++cell) {
+      const float window_low = float(cell - kCells / 2) / kCellsPerUnit - kCellSlack;
+      uint32_t below = 0;
+      for (int i = 0; cell > 0 && i < kBounds; ++i) below += CB::kHostBounds[i] <= window_low ? 1u : 0u;
+      t.entries[cell] = {below < uint32_t(kBounds) ? CB::kHostBounds[below] : std::numeric_limits<float>::quiet_NaN(),
+                         below};
+    }
+    return t;
+  }
 };
+// The code cells in global memory, where a warp reads them in one coalesced request (constant
+// memory would serialise its different addresses).
+template <int BITS>
+__device__ const typename CodeCells<BITS>::Table kCodeCells = CodeCells<BITS>::table();
 
 // The codebook where the threads of a warp read different entries at once: kernels keep a copy in
 // shared memory, since constant memory serialises a warp's reads of different addresses.
@@ -140,19 +163,6 @@ template <>
 struct CodebookTable<2> {
   float levels[4];
 };
-
-// The entry of code cell `cell`, from the bounds (FORMAT §3.1): the bounds at or below the window's
-// lower end (y_cell − kCellSlack, the cell's lower edge y_cell = (cell − kCells / 2) / kCellsPerUnit;
-// −inf for cell 0) are reached by every value in the window.
-template <int BITS>
-__device__ __forceinline__ CodeCell code_cell(int cell) {
-  using C = CodeCells<BITS>;
-  const float window_low =
-      cell == 0 ? -INFINITY : __fsub_rn(__fdiv_rn(float(cell - C::kCells / 2), C::kCellsPerUnit), kCellSlack);
-  uint32_t below = 0;
-  for (int i = 0; i < C::kBounds; ++i) below += Codebook<BITS>::bounds()[i] <= window_low;
-  return {below < uint32_t(C::kBounds) ? Codebook<BITS>::bounds()[below] : NAN, below};
-}
 
 // FORMAT §3.2 step 3: the code of y, by its code cell; with 2 bits, by the middle bound and then the
 // outer bound on y's side (read by every lane alike: no serialised constant reads).

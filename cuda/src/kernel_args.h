@@ -140,11 +140,19 @@ cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 // Decode work units (shared by the planner and the kernel).
 constexpr int kDecodeTileTokens = 16;   // positions per mma tile
 constexpr int kDecodeHeadsPerCta = 8;   // query columns (query head, query token) per CTA
+constexpr int kDecodeWarps = 4;         // warps per CTA
+constexpr int kDecodeSliceDim = 128;    // head dimensions of a warp's d-slice at most
 constexpr int kDecodeMaxQueryLen = 16;  // query tokens per sequence at most (multi-token decode)
 constexpr int kDecodeCtasPerSm = 4;     // launch bounds: registers sized for 4 resident CTAs per SM
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
 constexpr int kDecodeMaxSplits = 1024;  // context splits per sequence at most
 constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode facts (occupancy, code version) are cached
+
+// Token streams of a CTA: each warp streams its own tiles, except that with head_dim > 128 the
+// warps of a stream share its tiles, a d-slice each. A CTA lasts as long as its longest stream.
+__host__ __device__ constexpr int decode_streams_per_cta(int head_dim) {
+  return kDecodeWarps / (head_dim > kDecodeSliceDim ? head_dim / kDecodeSliceDim : 1);
+}
 
 // How a decode is split over CTAs (FORMAT §5 does not depend on it; rounding does, so a plan is
 // a pure function of the shape, the device's multiprocessor count and the workspace size).

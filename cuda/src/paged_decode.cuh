@@ -39,7 +39,6 @@
 
 namespace fp8kturbov {
 
-constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kTileTokens = kDecodeTileTokens;    // the mma's M (scores) and K (P·V) extent
 constexpr int kHeadsPerCta = kDecodeHeadsPerCta;  // the mma's N extent
@@ -350,9 +349,9 @@ __device__ __forceinline__ float soft_cap_tanh(float x) {
 
 template <int BITS, int HEAD_DIM>
 struct DecodeShape {
-  static constexpr int kSliceDim = HEAD_DIM < 128 ? HEAD_DIM : 128;     // d handled by one warp
-  static constexpr int kSlices = HEAD_DIM / kSliceDim;                   // warps sharing a stream
-  static constexpr int kStreams = kDecodeWarps / kSlices;                // token streams per CTA
+  static constexpr int kStreams = decode_streams_per_cta(HEAD_DIM);      // token streams per CTA
+  static constexpr int kSlices = kDecodeWarps / kStreams;                // warps sharing a stream
+  static constexpr int kSliceDim = HEAD_DIM / kSlices;                   // d handled by one warp
   static constexpr int kKChunks = kSliceDim / 64;                        // 16-byte K reads per row
   static constexpr int kKSteps = kSliceDim / 16;                         // mma k-steps of Q·K
   static constexpr int kThreadDims = kSliceDim / 8;                      // V d-values per thread

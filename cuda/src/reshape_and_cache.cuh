@@ -8,22 +8,38 @@
 
 namespace fp8kturbov {
 
-// 16 bf16 values as floats: two 16-byte loads when the rows allow it (the usual case), else
-// element by element (any element stride).
-__device__ __forceinline__ void load_bf16_group(const uint16_t* src, bool vector_loads,
-                                                float (&x)[kGroupElems]) {
+// A group's 16 bf16 values as loaded, not yet widened: two 16-byte loads when the rows allow it
+// (the usual case; words[i] holds elements 2i and 2i + 1), else element by element (any element
+// stride; words[i] holds element i). Nothing reads them before widen_bf16_group, so that the
+// kernel can do other work while the loads are in flight.
+struct Bf16Group {
+  uint32_t words[kGroupElems];
+  bool vector_loads;
+};
+__device__ __forceinline__ Bf16Group load_bf16_group(const uint16_t* src, bool vector_loads) {
+  Bf16Group g;
+  g.vector_loads = vector_loads;
   if (vector_loads) {
     const uint4 halves[2] = {__ldg(reinterpret_cast<const uint4*>(src)),
                              __ldg(reinterpret_cast<const uint4*>(src) + 1)};
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(halves);
+#pragma unroll
+    for (int i = 0; i < kGroupElems / 2; ++i) g.words[i] = reinterpret_cast<const uint32_t*>(halves)[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kGroupElems; ++i) g.words[i] = __ldg(src + i);
+  }
+  return g;
+}
+__device__ __forceinline__ void widen_bf16_group(const Bf16Group& g, float (&x)[kGroupElems]) {
+  if (g.vector_loads) {
 #pragma unroll
     for (int i = 0; i < kGroupElems / 2; ++i) {
-      x[2 * i] = __uint_as_float(words[i] << 16);
-      x[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+      x[2 * i] = __uint_as_float(g.words[i] << 16);
+      x[2 * i + 1] = __uint_as_float(g.words[i] & 0xFFFF0000u);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kGroupElems; ++i) x[i] = __bfloat162float(__ushort_as_bfloat16(__ldg(src + i)));
+    for (int i = 0; i < kGroupElems; ++i) x[i] = __uint_as_float(g.words[i] << 16);
   }
 }
 
@@ -57,7 +73,7 @@ template <int BITS>
 __device__ __forceinline__ void load_codebook(CodebookTable<BITS>& table) {
   if (threadIdx.x < (1 << BITS)) table.levels[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
   if constexpr (BITS >= 3) {
-    if (threadIdx.x < CodeCells<BITS>::kCells) table.cells[threadIdx.x] = code_cell<BITS>(threadIdx.x);
+    if (threadIdx.x < CodeCells<BITS>::kCells) table.cells[threadIdx.x] = kCodeCells<BITS>.entries[threadIdx.x];
   }
   __syncthreads();
 }
@@ -105,20 +121,25 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   uint32_t group;
   token_group_of_thread<kThreadsPerGroup>(a.row_elems, token, group);
   const bool writes = threadIdx.x % kThreadsPerGroup == 0;
+  // The slot and both input groups are requested first, and the codebook table is built while they
+  // are in flight: nothing reads them before the barrier (they are widened to floats after it), so
+  // for a few tokens the write is one memory round trip plus the encoding. (Widened where they are
+  // loaded, the threads waited for their inputs before reading the codebook's constants: two round
+  // trips.)
+  // A thread past the last token loads the first token's inputs (a launch has one) and writes
+  // nothing: loads without a branch are issued ahead of the codebook's.
   const bool has_token = token < a.num_tokens;
-  // The slot and both input groups are requested first, and the level table is copied while they
-  // are in flight (the barrier does not wait for them): for a few tokens the write is one memory
-  // round trip plus the encoding.
-  int64_t slot = -1;
-  float k[kGroupElems], x[kGroupElems];
-  if (has_token) {
-    slot = __ldg(a.slot_mapping + token);
-    load_bf16_group(a.key + token * a.key_stride + group * kGroupElems, a.key_vector_loads, k);
-    load_bf16_group(a.value + token * a.value_stride + group * kGroupElems, a.value_vector_loads, x);
-  }
+  const uint64_t input_token = has_token ? token : 0;
+  const int64_t slot = has_token ? __ldg(a.slot_mapping + token) : -1;
+  const Bf16Group k_in = load_bf16_group(a.key + input_token * a.key_stride + group * kGroupElems, a.key_vector_loads);
+  const Bf16Group v_in =
+      load_bf16_group(a.value + input_token * a.value_stride + group * kGroupElems, a.value_vector_loads);
   __shared__ CodebookTable<BITS> codebook_s;
   load_codebook<BITS>(codebook_s);  // a CTA barrier: every thread reaches it
   if (slot < 0) return;  // no token, or padding: writes nothing (FORMAT §4)
+  float k[kGroupElems], x[kGroupElems];
+  widen_bf16_group(k_in, k);
+  widen_bf16_group(v_in, x);
   const uint64_t page = uint64_t(slot) / a.block_size;
   const uint32_t offset = uint32_t(uint64_t(slot) % a.block_size);
   if (a.index_check.slot_page_out_of_range(page)) {  // checked mode: skip the token
