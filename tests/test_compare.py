@@ -35,10 +35,11 @@ def baseline_rows() -> list[dict]:
 
 
 def candidate_rows() -> list[dict]:
-    """fake_rows with the launch floor 20 % slower, the decode 10 % slower, the write 5 % faster,
-    and a write of 128 tokens that the baseline lacks."""
+    """fake_rows with the launch floor 20 % slower, the decode 10 % slower per launch but 10 %
+    faster inside a graph, the write 5 % faster, and a write of 128 tokens that the baseline lacks."""
     read, copy, launch, decode, skipped, write = fake_rows()
-    return [read, copy, with_median(launch, 3.0), with_median(decode, 14.5 * 1.1), skipped,
+    decode = {**with_median(decode, 14.5 * 1.1), "in_graph_us": decode["in_graph_us"] * 0.9}
+    return [read, copy, with_median(launch, 3.0), decode, skipped,
             with_median(write, 3.0 * 0.95), timed_row(WRITE_128, 5.0)]
 
 
@@ -72,6 +73,13 @@ def test_rows_match_by_what_they_measure(files):
         "not measured in baseline (skipped: needs 200.0 GiB, 100.0 GiB free); "
         "not measured in candidate (skipped: needs 200.0 GiB, 100.0 GiB free)")
     assert decode.note == "" and baseline_only.note == ""
+    # In-graph times: the decode's (12.75 µs in fake_rows) changed apart from its time per launch;
+    # the write has none, and a row of one file only has no change.
+    assert (decode.baseline_in_graph_us, decode.candidate_in_graph_us) == (12.75,
+                                                                           pytest.approx(11.475))
+    assert decode.in_graph_change_pct == pytest.approx(-10.0)
+    assert launch.in_graph_change_pct == pytest.approx(0.0)
+    assert write.in_graph_change_pct is None and baseline_only.in_graph_change_pct is None
 
 
 def test_query_tokens_and_heads_make_different_measurements():
@@ -96,6 +104,7 @@ def test_rows_of_files_without_query_tokens_match_one_token_decodes():
     assert [(r.describe(), r.only_in) for r in records] == [
         ("decode 3b D128 8x8192", ""), ("write 3b D128 128 tok", ""), ("decode 3b D128 8x8192 q4", "candidate")]
     assert records[0].change_pct == pytest.approx(10.0)
+    assert records[0].in_graph_change_pct is None  # older files have no in-graph times
 
 
 def test_repeated_rows_pair_in_order():
@@ -169,11 +178,11 @@ def test_format_has_the_table_the_unmatched_rows_the_machine_and_the_summary(fil
     assert lines[:3] == [f"baseline:  {files[0]}: commit abc1234 | {context}",
                          f"candidate: {files[1]}: commit abc1234 | {context}", ""]
     assert lines[3].split() == ["op", "bits", "shape", "D", "baseline", "us", "candidate", "us",
-                                "change", "%"]
+                                "change", "%", "in-graph", "change", "%"]
     table = [line.split() for line in lines[5:8]]
-    assert table == [["decode", "3", "1x32768", "128", "14.50", "15.95", "+10.0"],
-                     ["decode", "4", "32x32768", "128", "-", "-", "-"],
-                     ["write", "3", "16", "tok", "128", "3.00", "2.85", "-5.0"]]
+    assert table == [["decode", "3", "1x32768", "128", "14.50", "15.95", "+10.0", "-10.0"],
+                     ["decode", "4", "32x32768", "128", "-", "-", "-", "-"],
+                     ["write", "3", "16", "tok", "128", "3.00", "2.85", "-5.0", "-"]]
     assert len({len(line) for line in lines[3:8]}) == 1  # the columns align
     assert lines[8] == ""
     assert lines[9:11] == ["decode 3b D128 8x8192: only in baseline",

@@ -4,9 +4,11 @@ Both files are written by ``python -m fp8kturbov bench --json`` (schema: `bench.
 typically by two builds on the same GPU. `compare_files` matches their rows by what they measure
 (`ROW_IDENTITY`: the op, every `bench.Shape` field and the shape text) and gives each match the
 change of its median time per launch, ``100 * (candidate / baseline - 1)`` %, positive when the
-candidate is slower. The ceiling (read and copy) and the launch floor measure the machine, not the
-change: they are shown apart and never count as slowdowns. Rows of one file only, and rows a run
-skipped, are listed rather than dropped. Options that change a measurement without being in its row
+candidate is slower, and the same change of its in-graph time (per launch with 32 launches in one
+graph: what a short launch costs inside an engine's captured step), shown beside it. The ceiling
+(read and copy) and the launch floor measure the machine, not the change: they are shown apart and
+never count as slowdowns. Rows of one file only, and rows a run skipped, are listed rather than
+dropped. Options that change a measurement without being in its row
 (checked mode, V encoder, soft cap, sinks, sparse-V threshold, iterations ...) are run-wide: they
 are compared as the files' configs, a difference being a warning, as is a different GPU.
 """
@@ -33,7 +35,7 @@ CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims")
 #: Device fields that must agree for the times to be comparable: the GPU, and the timing gate
 #: (without it short launches include host time).
 DEVICE_FIELDS = ("name", "timing_gate")
-TABLE_COLUMNS = ("op", "bits", "shape", "D", "baseline us", "candidate us", "change %")
+TABLE_COLUMNS = ("op", "bits", "shape", "D", "baseline us", "candidate us", "change %", "in-graph change %")
 
 
 def parse_percent(text: str) -> float:
@@ -47,12 +49,22 @@ def parse_percent(text: str) -> float:
     return value
 
 
+def _ratio(baseline_us: float | None, candidate_us: float | None) -> float | None:
+    return None if baseline_us is None or candidate_us is None else candidate_us / baseline_us
+
+
+def _change_pct(ratio: float | None) -> float | None:
+    return None if ratio is None else 100.0 * (ratio - 1.0)
+
+
 @dataclass(frozen=True)
 class RowComparison:
     """One measurement, matched across the two files.
 
     Times are the bench's ``median_us``, µs per launch; None where the file lacks the row
-    (``only_in`` names the file that has it) or skipped it (``note`` says why).
+    (``only_in`` names the file that has it) or skipped it (``note`` says why). The in-graph times
+    are its ``in_graph_us``, µs per launch inside a graph; None also for rows without one (the
+    ceiling's read and copy).
     """
 
     op: str
@@ -63,6 +75,8 @@ class RowComparison:
     candidate_us: float | None
     only_in: str = ""  # "baseline" or "candidate" for a row of one file only
     note: str = ""
+    baseline_in_graph_us: float | None = None
+    candidate_in_graph_us: float | None = None
 
     @property
     def is_case(self) -> bool:
@@ -72,15 +86,17 @@ class RowComparison:
     @property
     def ratio(self) -> float | None:
         """Candidate time / baseline time; None unless both files measured the row."""
-        if self.baseline_us is None or self.candidate_us is None:
-            return None
-        return self.candidate_us / self.baseline_us
+        return _ratio(self.baseline_us, self.candidate_us)
 
     @property
     def change_pct(self) -> float | None:
         """The candidate's change of time, % of the baseline's: positive when slower."""
-        ratio = self.ratio
-        return None if ratio is None else 100.0 * (ratio - 1.0)
+        return _change_pct(self.ratio)
+
+    @property
+    def in_graph_change_pct(self) -> float | None:
+        """The same for the in-graph times; None unless both files have one."""
+        return _change_pct(_ratio(self.baseline_in_graph_us, self.candidate_in_graph_us))
 
     def describe(self) -> str:
         """As `bench.Shape.describe` for decode and write: ``"decode 3b D128 8x8192"``."""
@@ -127,6 +143,10 @@ def _median_us(row: dict[str, Any] | None) -> float | None:
     return None if row is None else row["median_us"]
 
 
+def _in_graph_us(row: dict[str, Any] | None) -> float | None:
+    return None if row is None else row.get("in_graph_us")  # absent from files older than the in-graph times
+
+
 def _record(baseline: dict[str, Any] | None, candidate: dict[str, Any] | None) -> RowComparison:
     """The record of a matched pair of rows, or of one row (the other None)."""
     row = baseline if baseline is not None else candidate
@@ -139,7 +159,8 @@ def _record(baseline: dict[str, Any] | None, candidate: dict[str, Any] | None) -
         head_dim=row["head_dim"], baseline_us=_median_us(baseline),
         candidate_us=_median_us(candidate),
         only_in="candidate" if baseline is None else "baseline" if candidate is None else "",
-        note="; ".join(skipped))
+        note="; ".join(skipped), baseline_in_graph_us=_in_graph_us(baseline),
+        candidate_in_graph_us=_in_graph_us(candidate))
 
 
 def compare_rows(baseline_rows: Iterable[dict[str, Any]],
@@ -192,7 +213,8 @@ def _signed(value: float | None) -> str:
 def table_rows(records: Iterable[RowComparison]) -> list[tuple[str, ...]]:
     """The cells of the decode and write rows found in both files, in `TABLE_COLUMNS` order."""
     return [(r.op, str(r.bits), r.shape, str(r.head_dim), bench.format_number(r.baseline_us, 2),
-             bench.format_number(r.candidate_us, 2), _signed(r.change_pct))
+             bench.format_number(r.candidate_us, 2), _signed(r.change_pct),
+             _signed(r.in_graph_change_pct))
             for r in records if r.is_case and not r.only_in]
 
 
