@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if (lane == 0) q_absmax_s[warp] = q_absmax;
     for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
       const int e = i / LevelPairs::kCopies;
-      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[e & ((1 << BITS) - 1)], Codebook<BITS>::levels()[e >> BITS]);
+      level_pair_s[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
     }
     __syncthreads();
     q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
