@@ -421,6 +421,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   int32_t* const page_ring = reinterpret_cast<int32_t*>(smem + L::kPagesOffset);
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
   __shared__ float denom_s[S::kStreams][kHeadsPerCta];
+  __shared__ float stream_weight_s[S::kStreams][kHeadsPerCta];  // the epilogue's merge over the streams
+  __shared__ float column_max_s[kHeadsPerCta];
+  __shared__ float column_denom_s[kHeadsPerCta];
   __shared__ __align__(16) float4 score_s[2][kDecodeWarps][S::kSlices > 1 ? 32 : 1];
   // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]), in
   // LevelPairTable's copies.
@@ -531,10 +534,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
     if (lane == 0) q_absmax_s[warp] = q_absmax;
-    for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
-      const int e = i / LevelPairs::kCopies;
-      level_pair_s[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
-    }
     __syncthreads();
     q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
     int q_exp = 0;
@@ -814,6 +813,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       if (k < num_tiles) copy_tile_any(k, k);
       copy_async_commit();
     }
+    // The level-pair table, while the first tiles are in flight: its reads (the codebook table, from
+    // L2 at a CTA's start) overlap theirs; the CTA barrier makes it visible to every warp.
+    for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
+      const int e = i / LevelPairs::kCopies;
+      level_pair_s[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
+    }
+    __syncthreads();
 
     // The token (stage row) of mma row m of the scores, which is also the reduction index of P·V:
     // with 128-byte K rows, rows 2p and 2p + 1 of each 8 hold tokens p and p + 4, whose swizzled
@@ -1025,29 +1031,30 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
-    // Column h's maximum over the streams, and stream st's weight under it.
-    auto streams_max = [&](int h) {
+    // Per column h: its maximum over the streams, each stream's weight under it and the merged
+    // denominator, computed once (by lane h of warp 0) instead of for every output element.
+    if (warp == 0 && lane < kHeadsPerCta) {
+      const int h = lane;
       float m = -INFINITY;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
-      return m;
-    };
-    auto stream_weight = [&](int st, int h, float m) {
-      // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
-      return m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
-    };
-    // Column h's output element d merged over the streams (fixed order), its maximum m and
-    // denominator l.
-    auto merge_streams = [&](int h, int d, float& m, float& l) {
-      m = streams_max(h);
-      float o = 0.0f;
-      l = 0.0f;
+      float l = 0.0f;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) {
-        const float w = stream_weight(st, h, m);
-        o += w * o_s[st][h][d];
+        // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+        const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+        stream_weight_s[st][h] = w;
         l += w * denom_s[st][h];
       }
+      column_max_s[h] = m;
+      column_denom_s[h] = l;
+    }
+    __syncthreads();
+    // Column h's output element d merged over the streams (fixed order).
+    auto merge_streams = [&](int h, int d) {
+      float o = 0.0f;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) o += stream_weight_s[st][h] * o_s[st][h][d];
       return o;
     };
     // Rotated V (FORMAT §6) without splits: the merged rows are rotated back before they are
@@ -1057,10 +1064,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if constexpr (EXTENDED && kRotatableHeadDim<HEAD_DIM>) {
       rotate_back = a.rotated_v && plan.num_splits == 1;  // CTA-uniform
       if (rotate_back) {
-        for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
-          float m, l;
-          o_s[0][i / HEAD_DIM][i % HEAD_DIM] = merge_streams(i / HEAD_DIM, i % HEAD_DIM, m, l);
-        }
+        for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads)
+          o_s[0][i / HEAD_DIM][i % HEAD_DIM] = merge_streams(i / HEAD_DIM, i % HEAD_DIM);
         __syncthreads();
         for (int h = warp; h < num_columns; h += kDecodeWarps) unrotate_row<HEAD_DIM>(o_s[0][h], lane);
         __syncthreads();
@@ -1071,17 +1076,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
       const int h = i / HEAD_DIM;
       const int d = i % HEAD_DIM;
-      float m, l;
-      float o;
-      if (rotate_back) {  // the merged row is in o_s[0], rotated back: only m and l are left to merge
-        m = streams_max(h);
-        l = 0.0f;
-  #pragma unroll
-        for (int st = 0; st < S::kStreams; ++st) l += stream_weight(st, h, m) * denom_s[st][h];
-        o = o_s[0][h][d];
-      } else {
-        o = merge_streams(h, d, m, l);
-      }
+      const float m = column_max_s[h];
+      const float l = column_denom_s[h];
+      // With rotate_back, the merged row is in o_s[0], rotated back.
+      const float o = rotate_back ? o_s[0][h][d] : merge_streams(h, d);
       const uint32_t token = column_token(h);
       const uint32_t head = column_head(h);
       if (plan.num_splits == 1) {
