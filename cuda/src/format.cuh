@@ -42,46 +42,33 @@ static_assert(v_page_bytes(16, 128, 4) == 9 * 16 * 128 / 16, "FORMAT §3: 4-bit 
 static_assert(v_page_bytes(16, 128, 3) == 7 * 16 * 128 / 16, "FORMAT §3: 3-bit page is 7Bn/16");
 static_assert(v_page_bytes(16, 128, 2) == 5 * 16 * 128 / 16, "FORMAT §3: 2-bit page is 5Bn/16");
 
-// FORMAT §3.1: Lloyd–Max levels (code 0 … 2^b−1) and ascending decision bounds, as float32.
-// Device tables live in constant memory (internal linkage: one copy per translation unit); the
-// bounds are also host constants, for the compile-time check of the code cells (CodeCells).
-#define FP8KTURBOV_BOUNDS4 \
-  -2.4008f, -1.8435f, -1.4371f, -1.0993f, -0.7996f, -0.5224f, -0.2582f, 0.0f, 0.2582f, 0.5224f, 0.7996f, 1.0993f, \
-      1.4371f, 1.8435f, 2.4008f
-#define FP8KTURBOV_BOUNDS3 -1.748f, -1.050f, -0.501f, 0.0f, 0.501f, 1.050f, 1.748f
-static __constant__ float kLevels4[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f,
-                                          -0.9423f, -0.6568f, -0.3880f, -0.1284f,
-                                          0.1284f,  0.3880f,  0.6568f,  0.9423f,
-                                          1.2562f,  1.6180f,  2.0690f,  2.7326f};
-static __constant__ float kBounds4[15] = {FP8KTURBOV_BOUNDS4};
-static __constant__ float kLevels3[8] = {-2.1520f, -1.3440f, -0.7560f, -0.2451f,
-                                         0.2451f,  0.7560f,  1.3440f,  2.1520f};
-static __constant__ float kBounds3[7] = {FP8KTURBOV_BOUNDS3};
-static __constant__ float kLevels2[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
-static __constant__ float kBounds2[3] = {-0.9816f, 0.0f, 0.9816f};
-
+// FORMAT §3.1: Lloyd–Max levels (code 0 … 2^b−1) and ascending decision bounds, as float32. They
+// are compile-time constants: kernels read the tables derived from them (kCodebookTable below), and
+// the 2-bit encoder compares with the bounds as immediates.
 template <int BITS>
 struct Codebook;
 template <>
 struct Codebook<4> {
-  static constexpr float kMax = 2.7326f;
-  static constexpr float kHostBounds[15] = {FP8KTURBOV_BOUNDS4};
-  static __device__ __forceinline__ const float* levels() { return kLevels4; }
-  static __device__ __forceinline__ const float* bounds() { return kBounds4; }
+  static constexpr float kLevels[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f, -0.9423f, -0.6568f,
+                                        -0.3880f, -0.1284f, 0.1284f,  0.3880f,  0.6568f,  0.9423f,
+                                        1.2562f,  1.6180f,  2.0690f,  2.7326f};
+  static constexpr float kBounds[15] = {-2.4008f, -1.8435f, -1.4371f, -1.0993f, -0.7996f,
+                                        -0.5224f, -0.2582f, 0.0f,     0.2582f,  0.5224f,
+                                        0.7996f,  1.0993f,  1.4371f,  1.8435f,  2.4008f};
 };
 template <>
 struct Codebook<3> {
-  static constexpr float kMax = 2.1520f;
-  static constexpr float kHostBounds[7] = {FP8KTURBOV_BOUNDS3};
-  static __device__ __forceinline__ const float* levels() { return kLevels3; }
-  static __device__ __forceinline__ const float* bounds() { return kBounds3; }
+  static constexpr float kLevels[8] = {-2.1520f, -1.3440f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3440f, 2.1520f};
+  static constexpr float kBounds[7] = {-1.748f, -1.050f, -0.501f, 0.0f, 0.501f, 1.050f, 1.748f};
 };
 template <>
 struct Codebook<2> {
-  static constexpr float kMax = 1.5104f;
-  static __device__ __forceinline__ const float* levels() { return kLevels2; }
-  static __device__ __forceinline__ const float* bounds() { return kBounds2; }
+  static constexpr float kLevels[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+  static constexpr float kBounds[3] = {-0.9816f, 0.0f, 0.9816f};
 };
+// The largest level, which the matched-norm scale maps a group's largest magnitude to.
+template <int BITS>
+constexpr float kMaxLevel = Codebook<BITS>::kLevels[(1 << BITS) - 1];
 
 // FORMAT §2: E4M3_rn_satfinite (round to nearest even, finite overflow saturates to ±448,
 // NaN -> 0x7F). The hardware conversion does exactly this.
@@ -96,7 +83,7 @@ __device__ __forceinline__ float e4m3_decode(uint8_t byte) {
 }
 
 // FORMAT §3.2 step 3 gives a value y the code "number of bounds that y reaches (y >= bound)". The
-// encoders find it in one table lookup: the scaled values' range [-kMax, kMax] is cut into kCells
+// encoders find it in one table lookup: the scaled values' range [-kMaxLevel, kMaxLevel] is cut into kCells
 // equal cells, each narrower than the gaps between the bounds, and y's cell,
 // min(floor(y * kCellsPerUnit + kCells / 2), kCells - 1) (0 for y below the range and for NaN), holds
 // the code of the values just below the cell (`code_below`, the bounds that they reach) and the next
@@ -117,15 +104,15 @@ struct CodeCells {
   static_assert(BITS >= 3, "2-bit codes are found without cells");
   using CB = Codebook<BITS>;
   static constexpr int kCells = 2 << BITS;  // cells 0.27 and 0.17 wide (3 and 4 bits)
-  static constexpr float kCellsPerUnit = float(kCells) / (2.0f * CB::kMax);
-  static constexpr int kBounds = (1 << BITS) - 1;
+  static constexpr float kCellsPerUnit = float(kCells) / (2.0f * kMaxLevel<BITS>);
+  static constexpr int kBoundCount = (1 << BITS) - 1;
   // Every window holds at most one bound: the bounds are further apart than a widened cell, and the
   // first (last) window, which reaches to -inf (+inf), ends below the second (above the last but one).
   static constexpr bool windows_hold_one_bound() {
     const float window = 1.0f / kCellsPerUnit + 2.0f * kCellSlack;
-    for (int i = 1; i < kBounds; ++i)
-      if (CB::kHostBounds[i] - CB::kHostBounds[i - 1] <= window) return false;
-    return CB::kHostBounds[1] > -CB::kMax + window && CB::kHostBounds[kBounds - 2] < CB::kMax - window;
+    for (int i = 1; i < kBoundCount; ++i)
+      if (CB::kBounds[i] - CB::kBounds[i - 1] <= window) return false;
+    return CB::kBounds[1] > -kMaxLevel<BITS> + window && CB::kBounds[kBoundCount - 2] < kMaxLevel<BITS> - window;
   }
   static_assert(windows_hold_one_bound(), "a code cell's window holds at most one bound");
 
@@ -140,20 +127,17 @@ struct CodeCells {
     for (int cell = 0; cell < kCells; ++cell) {
       const float window_low = float(cell - kCells / 2) / kCellsPerUnit - kCellSlack;
       uint32_t below = 0;
-      for (int i = 0; cell > 0 && i < kBounds; ++i) below += CB::kHostBounds[i] <= window_low ? 1u : 0u;
-      t.entries[cell] = {below < uint32_t(kBounds) ? CB::kHostBounds[below] : std::numeric_limits<float>::quiet_NaN(),
+      for (int i = 0; cell > 0 && i < kBoundCount; ++i) below += CB::kBounds[i] <= window_low ? 1u : 0u;
+      t.entries[cell] = {below < uint32_t(kBoundCount) ? CB::kBounds[below] : std::numeric_limits<float>::quiet_NaN(),
                          below};
     }
     return t;
   }
 };
-// The code cells in global memory, where a warp reads them in one coalesced request (constant
-// memory would serialise its different addresses).
-template <int BITS>
-__device__ const typename CodeCells<BITS>::Table kCodeCells = CodeCells<BITS>::table();
-
-// The codebook where the threads of a warp read different entries at once: kernels keep a copy in
-// shared memory, since constant memory serialises a warp's reads of different addresses.
+// The codebook where the threads of a warp read different entries at once: the levels and, from 3
+// bits, the code cells. It is computed at compile time and held in global memory (kCodebookTable),
+// where a warp reads it in one coalesced request (constant memory would serialise different
+// addresses); kernels that look entries up per value keep a copy in shared memory.
 template <int BITS>
 struct CodebookTable {
   float levels[1 << BITS];
@@ -163,14 +147,25 @@ template <>
 struct CodebookTable<2> {
   float levels[4];
 };
+template <int BITS>
+constexpr CodebookTable<BITS> codebook_table() {
+  CodebookTable<BITS> t{};
+  for (int i = 0; i < (1 << BITS); ++i) t.levels[i] = Codebook<BITS>::kLevels[i];
+  if constexpr (BITS >= 3) {
+    const auto cells = CodeCells<BITS>::table();
+    for (int i = 0; i < CodeCells<BITS>::kCells; ++i) t.cells[i] = cells.entries[i];
+  }
+  return t;
+}
+template <int BITS>
+__device__ const CodebookTable<BITS> kCodebookTable = codebook_table<BITS>();
 
 // FORMAT §3.2 step 3: the code of y, by its code cell; with 2 bits, by the middle bound and then the
-// outer bound on y's side (read by every lane alike: no serialised constant reads).
+// outer bound on y's side (compile-time constants: no table read).
 template <int BITS>
 __device__ __forceinline__ uint32_t code_of(float y, const CodebookTable<BITS>& table) {
   if constexpr (BITS == 2) {
-    const float* bounds = Codebook<2>::bounds();
-    const float lower = bounds[0], middle = bounds[1], upper = bounds[2];
+    constexpr float lower = Codebook<2>::kBounds[0], middle = Codebook<2>::kBounds[1], upper = Codebook<2>::kBounds[2];
     const bool upper_half = y >= middle;
     return (upper_half ? 2u : 0u) + (y >= (upper_half ? upper : lower) ? 1u : 0u);
   } else {
@@ -203,7 +198,7 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group(const float (&x)[kG
     n2 = __fadd_rn(n2, __fmul_rn(x[i], x[i]));
     amax = fmaxf(amax, fabsf(x[i]));  // NaN-ignoring, as FORMAT §3.2 step 1
   }
-  const float inv = amax > 1e-12f ? __fdiv_rn(CB::kMax, amax) : 1.0f;
+  const float inv = amax > 1e-12f ? __fdiv_rn(kMaxLevel<BITS>, amax) : 1.0f;
 
   EncodedGroup<BITS> out;
   float r2 = 0.0f;

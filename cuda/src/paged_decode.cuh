@@ -87,6 +87,13 @@ __device__ __forceinline__ void e4m3x4_to_half2x2_bits(uint32_t four_bytes, uint
 #endif
 }
 
+// A barrier of the SLICES warps of one token stream (named barrier 1 + stream; 0 is
+// __syncthreads'): the streams of a CTA do not wait on each other.
+template <int SLICES>
+__device__ __forceinline__ void stream_barrier(int stream) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + stream), "n"(32 * SLICES) : "memory");
+}
+
 __device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // ---- Asynchronous copies (global -> shared, sm_80+) -----------------------------------------
@@ -421,6 +428,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   int32_t* const page_ring = reinterpret_cast<int32_t*>(smem + L::kPagesOffset);
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
   __shared__ float denom_s[S::kStreams][kHeadsPerCta];
+  __shared__ float stream_weight_s[S::kStreams][kHeadsPerCta];  // the epilogue's merge over the streams
+  __shared__ float column_max_s[kHeadsPerCta];
+  __shared__ float column_denom_s[kHeadsPerCta];
   __shared__ __align__(16) float4 score_s[2][kDecodeWarps][S::kSlices > 1 ? 32 : 1];
   // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]), in
   // LevelPairTable's copies.
@@ -531,10 +541,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
     if (lane == 0) q_absmax_s[warp] = q_absmax;
-    for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
-      const int e = i / LevelPairs::kCopies;
-      level_pair_s[i] = half2_bits(Codebook<BITS>::levels()[e & ((1 << BITS) - 1)], Codebook<BITS>::levels()[e >> BITS]);
-    }
     __syncthreads();
     q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
     int q_exp = 0;
@@ -600,7 +606,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     const int first_tile = int(split_begin) + stream * kTileTokens;
     const int tile_step = S::kStreams * kTileTokens;
     // With d-slices, every warp runs the same number of iterations (a stream's last one may be
-    // fully masked) so that the score exchange can use a CTA-wide barrier.
+    // fully masked). The d-slices of a stream meet at every score exchange; the streams, whose
+    // exchanges use barriers of their own, need not, but where their counts of barrier phases
+    // differed, compute-sanitizer's racecheck reported hazards across the CTA barriers after the loop.
     const int loop_end = S::kSlices > 1 ? int(split_begin) + (range_end - int(split_begin) + tile_step - 1) /
                                                                  tile_step * tile_step
                                         : range_end;
@@ -814,6 +822,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       if (k < num_tiles) copy_tile_any(k, k);
       copy_async_commit();
     }
+    // The level-pair table, while the first tiles are in flight: its reads (the codebook table, from
+    // L2 at a CTA's start) overlap theirs; the CTA barrier makes it visible to every warp.
+    for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
+      const int e = i / LevelPairs::kCopies;
+      level_pair_s[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
+    }
+    __syncthreads();
 
     // The token (stage row) of mma row m of the scores, which is also the reduction index of P·V:
     // with 128-byte K rows, rows 2p and 2p + 1 of each 8 hold tokens p and p + 4, whose swizzled
@@ -867,7 +882,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       for (int r = 0; r < 4; ++r) s[r] = s_part[0][r] + s_part[1][r];
       if constexpr (S::kSlices > 1) {  // sum the slices' partial scores, in slice order
         score_s[k & 1][warp][lane] = make_float4(s[0], s[1], s[2], s[3]);
-        __syncthreads();
+        stream_barrier<S::kSlices>(stream);
         float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   #pragma unroll
         for (int w = 0; w < S::kSlices; ++w) {
@@ -1025,29 +1040,30 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
-    // Column h's maximum over the streams, and stream st's weight under it.
-    auto streams_max = [&](int h) {
+    // Per column h: its maximum over the streams, each stream's weight under it and the merged
+    // denominator, computed once (by lane h of warp 0) instead of for every output element.
+    if (warp == 0 && lane < kHeadsPerCta) {
+      const int h = lane;
       float m = -INFINITY;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) m = fmaxf(m, max_s[st][h]);
-      return m;
-    };
-    auto stream_weight = [&](int st, int h, float m) {
-      // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
-      return m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
-    };
-    // Column h's output element d merged over the streams (fixed order), its maximum m and
-    // denominator l.
-    auto merge_streams = [&](int h, int d, float& m, float& l) {
-      m = streams_max(h);
-      float o = 0.0f;
-      l = 0.0f;
+      float l = 0.0f;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) {
-        const float w = stream_weight(st, h, m);
-        o += w * o_s[st][h][d];
+        // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
+        const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+        stream_weight_s[st][h] = w;
         l += w * denom_s[st][h];
       }
+      column_max_s[h] = m;
+      column_denom_s[h] = l;
+    }
+    __syncthreads();
+    // Column h's output element d merged over the streams (fixed order).
+    auto merge_streams = [&](int h, int d) {
+      float o = 0.0f;
+  #pragma unroll
+      for (int st = 0; st < S::kStreams; ++st) o += stream_weight_s[st][h] * o_s[st][h][d];
       return o;
     };
     // Rotated V (FORMAT §6) without splits: the merged rows are rotated back before they are
@@ -1057,10 +1073,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if constexpr (EXTENDED && kRotatableHeadDim<HEAD_DIM>) {
       rotate_back = a.rotated_v && plan.num_splits == 1;  // CTA-uniform
       if (rotate_back) {
-        for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
-          float m, l;
-          o_s[0][i / HEAD_DIM][i % HEAD_DIM] = merge_streams(i / HEAD_DIM, i % HEAD_DIM, m, l);
-        }
+        for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads)
+          o_s[0][i / HEAD_DIM][i % HEAD_DIM] = merge_streams(i / HEAD_DIM, i % HEAD_DIM);
         __syncthreads();
         for (int h = warp; h < num_columns; h += kDecodeWarps) unrotate_row<HEAD_DIM>(o_s[0][h], lane);
         __syncthreads();
@@ -1071,17 +1085,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
       const int h = i / HEAD_DIM;
       const int d = i % HEAD_DIM;
-      float m, l;
-      float o;
-      if (rotate_back) {  // the merged row is in o_s[0], rotated back: only m and l are left to merge
-        m = streams_max(h);
-        l = 0.0f;
-  #pragma unroll
-        for (int st = 0; st < S::kStreams; ++st) l += stream_weight(st, h, m) * denom_s[st][h];
-        o = o_s[0][h][d];
-      } else {
-        o = merge_streams(h, d, m, l);
-      }
+      const float m = column_max_s[h];
+      const float l = column_denom_s[h];
+      // With rotate_back, the merged row is in o_s[0], rotated back.
+      const float o = rotate_back ? o_s[0][h][d] : merge_streams(h, d);
       const uint32_t token = column_token(h);
       const uint32_t head = column_head(h);
       if (plan.num_splits == 1) {

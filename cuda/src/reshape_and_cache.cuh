@@ -67,14 +67,14 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&bytes)
   }
 }
 
-// Fills the CTA's shared table (CodebookTable: the levels and, from 3 bits, the code cells), then a
-// CTA barrier.
+// Fills the CTA's shared copy of the codebook table (CodebookTable) from its global one, word by
+// word in one coalesced request per warp, then a CTA barrier.
 template <int BITS>
 __device__ __forceinline__ void load_codebook(CodebookTable<BITS>& table) {
-  if (threadIdx.x < (1 << BITS)) table.levels[threadIdx.x] = Codebook<BITS>::levels()[threadIdx.x];
-  if constexpr (BITS >= 3) {
-    if (threadIdx.x < CodeCells<BITS>::kCells) table.cells[threadIdx.x] = kCodeCells<BITS>.entries[threadIdx.x];
-  }
+  constexpr int kWords = sizeof(CodebookTable<BITS>) / 4;
+  static_assert(sizeof(CodebookTable<BITS>) % 4 == 0 && kWords <= kWriteThreads, "one word per thread");
+  if (threadIdx.x < kWords)
+    reinterpret_cast<uint32_t*>(&table)[threadIdx.x] = reinterpret_cast<const uint32_t*>(&kCodebookTable<BITS>)[threadIdx.x];
   __syncthreads();
 }
 
