@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Times a baseline checkout against this tree on the local GPU: both are installed (the baseline
 # into a private folder, this tree with pip), then `python -m fp8kturbov bench --json` runs ROUNDS
-# times for each, interleaved, and `python -m fp8kturbov compare` prints each round's rows side by
-# side. For showing that a change leaves a path as fast as it was (docs/PERFORMANCE.md).
+# times for each, interleaved, and `python -m fp8kturbov compare` prints the rows side by side: the
+# medians over the rounds, their change and each round's. For showing that a change leaves a path
+# as fast as it was, or how much faster it is (docs/PERFORMANCE.md).
 # Usage: ci/bench-compare.sh BASELINE_DIR [BENCH_OPTIONS...]
 #   e.g. git worktree add ../base main && ci/bench-compare.sh ../base --op decode --head-dim 128,256
-# Environment: ROUNDS (default 2), OUT_DIR (default build/bench-compare), MAX_SLOWDOWN (a percentage;
-# the script fails where the last round has a row slower by more), FP8KTURBOV_SKIP_INSTALL=1 (this
+# Environment: ROUNDS (default 3), OUT_DIR (default build/bench-compare), MAX_SLOWDOWN (a percentage;
+# the script fails where a row's median over the rounds is slower by more), FP8KTURBOV_SKIP_INSTALL=1 (this
 # tree is installed already), FP8KTURBOV_CUDA_ARCHITECTURES (default: the GPU's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,14 +31,13 @@ fi
 # Run from another folder, so that `python -m fp8kturbov` imports the installed packages, not
 # this tree's sources.
 bench() { (cd "$out_dir" && PYTHONPATH="${1:-}" python3 -m fp8kturbov bench --no-progress --json "$2" "${@:3}" >/dev/null); }
-rounds=${ROUNDS:-2}
+rounds=${ROUNDS:-3}
+further=()
 for (( round = 1; round <= rounds; ++round )); do
   bench "$base_pkg" "$out_dir/baseline-$round.json" "$@"
   bench "" "$out_dir/candidate-$round.json" "$@"
+  (( round > 1 )) && further+=(--round "$out_dir/baseline-$round.json" "$out_dir/candidate-$round.json")
 done
-for (( round = 1; round <= rounds; ++round )); do
-  echo "== round $round"
-  gate=()
-  (( round == rounds )) && [ -n "${MAX_SLOWDOWN:-}" ] && gate=(--max-slowdown "$MAX_SLOWDOWN")
-  python3 -m fp8kturbov compare "$out_dir/baseline-$round.json" "$out_dir/candidate-$round.json" "${gate[@]}"
-done
+gate=()
+[ -n "${MAX_SLOWDOWN:-}" ] && gate=(--max-slowdown "$MAX_SLOWDOWN")
+python3 -m fp8kturbov compare "$out_dir/baseline-1.json" "$out_dir/candidate-1.json" "${further[@]}" "${gate[@]}"

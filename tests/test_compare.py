@@ -122,6 +122,84 @@ def test_only_decode_and_write_rows_count_as_slowdowns(files):
     assert [r.describe() for r in compare.slower_than(records, 0.0)] == ["decode 3b D128 1x32768"]
 
 
+# ---- Rounds ----------------------------------------------------------------------------------------
+
+#: Per round: the decode's baseline time and the candidate's change, the write's change, %.
+ROUNDS = [(14.5, 10.0, 30.0), (14.0, -1.0, -1.0), (15.0, 2.0, 0.0)]
+
+
+@pytest.fixture
+def round_files(tmp_path):
+    """Three rounds of two builds, as (baseline, candidate) path pairs: fake_rows with the decode
+    and write of `ROUNDS` (the candidate's decode 10 % faster in a graph in every round), and in
+    rounds 1 and 2 a decode 8x8192 of the baseline only."""
+    pairs = []
+    for index, (decode_us, decode_change, write_change) in enumerate(ROUNDS, start=1):
+        read, copy, launch, decode, skipped, write = fake_rows()
+        baseline = [read, copy, launch, with_median(decode, decode_us), skipped, write]
+        candidate = [read, copy, launch,
+                     {**with_median(decode, decode_us * (1 + decode_change / 100)),
+                      "in_graph_us": decode["in_graph_us"] * 0.9},
+                     skipped, with_median(write, write["median_us"] * (1 + write_change / 100))]
+        if index < 3:
+            baseline.append(timed_row(DECODE_8X8K, 40.0))
+        paths = tmp_path / f"main-{index}.json", tmp_path / f"branch-{index}.json"
+        for path, rows in zip(paths, (baseline, candidate)):
+            bench.write_json(path, rows, DEVICE, bench.Config())
+        pairs.append(tuple(map(str, paths)))
+    return pairs
+
+
+def test_rounds_combine_into_medians_and_each_rounds_change(round_files):
+    comparison = compare.compare_runs(round_files)
+    assert comparison.rounds == 3
+    records = {r.describe(): r for r in comparison.rows}
+    assert list(records) == ["read 2 GiB read", "copy 2 GiB DtoD", "launch empty-kernel graph",
+                             "decode 3b D128 1x32768", "decode 4b D128 32x32768",
+                             "write 3b D128 16 tok", "decode 3b D128 8x8192"]
+    decode = records["decode 3b D128 1x32768"]
+    # Medians: 14.5 of (14.5, 14.0, 15.0); 15.3 of (15.95, 13.86, 15.3). The change is theirs.
+    assert (decode.baseline_us, decode.candidate_us) == (14.5, pytest.approx(15.3))
+    assert decode.change_pct == pytest.approx(100 * (15.3 / 14.5 - 1))
+    assert decode.round_changes_pct == pytest.approx((10.0, -1.0, 2.0))
+    assert decode.in_graph_change_pct == pytest.approx(-10.0)
+    write = records["write 3b D128 16 tok"]
+    assert write.change_pct == pytest.approx(0.0)  # one round's +30 % is not the median's
+    assert write.round_changes_pct == pytest.approx((30.0, -1.0, 0.0))
+    skipped = records["decode 4b D128 32x32768"]
+    assert skipped.ratio is None and skipped.round_changes_pct == (None, None, None)
+    assert skipped.note.count("not measured in baseline") == 1  # the rounds' equal notes, once
+    # A row of the baseline only in the rounds that have it stays one of the baseline only.
+    baseline_only = records["decode 3b D128 8x8192"]
+    assert (baseline_only.only_in, baseline_only.baseline_us, baseline_only.candidate_us) == (
+        "baseline", 40.0, None)
+    assert baseline_only.round_changes_pct == (None, None, None)
+
+
+def test_rounds_judge_slowdowns_by_the_medians(round_files):
+    records = compare.compare_runs(round_files).rows
+    # The decode's median is 5.5 % slower; the write's worst round (+30 %) does not count.
+    assert [r.describe() for r in compare.slower_than(records, 5.0)] == ["decode 3b D128 1x32768"]
+    assert compare.slower_than(records, 6.0) == []
+
+
+def test_one_round_is_a_comparison_of_two_files(files):
+    assert compare.compare_runs([files]) == compare.compare_files(*files)
+    assert all(r.round_changes_pct == () for r in compare.compare_files(*files).rows)
+    with pytest.raises(ValueError, match="no files"):
+        compare.compare_runs([])
+
+
+def test_rounds_warn_once_per_difference(tmp_path):
+    pairs = []
+    for index in (1, 2):
+        paths = tmp_path / f"a{index}.json", tmp_path / f"b{index}.json"
+        bench.write_json(paths[0], fake_rows(), DEVICE, bench.Config())
+        bench.write_json(paths[1], fake_rows(), DEVICE, bench.Config(sinks=True))
+        pairs.append(paths)
+    assert compare.compare_runs(pairs).warnings == ["warning: the configs differ (sinks False vs True)"]
+
+
 # ---- Warnings and invalid files ----------------------------------------------------------------------
 
 
@@ -226,6 +304,31 @@ def test_cli_fails_on_a_slowdown_over_the_limit(files, capsys):
     assert main(["compare", *files, "--max-slowdown", "10.5"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "PASS: no decode or write row is slower by more than 10.5 %")
+
+
+def test_format_of_rounds_has_their_files_and_changes(round_files):
+    lines = compare.format_comparison(compare.compare_runs(round_files)).splitlines()
+    context = "commit abc1234 | Test GPU | driver 580.1 (CUDA 13.0) | 2026-01-01T00:00:00+00:00"
+    assert lines[:3] == [
+        f"baseline:  {', '.join(b for b, _ in round_files)}: {context}",
+        f"candidate: {', '.join(c for _, c in round_files)}: {context}",
+        "3 rounds: each time is the median over the rounds, each change that of the medians"]
+    assert lines[4].endswith("in-graph change %  change % per round")
+    decode, skipped, write = (line.split() for line in lines[6:9])
+    assert decode == ["decode", "3", "1x32768", "128", "14.50", "15.30", "+5.5", "-10.0",
+                      "+10.0/-1.0/+2.0"]
+    assert skipped[-1] == "-/-/-" and write[-1] == "+30.0/-1.0/+0.0"
+
+
+def test_cli_compares_rounds(round_files, capsys):
+    (b1, c1), (b2, c2), (b3, c3) = round_files
+    args = ["compare", b1, c1, "--round", b2, c2, "--round", b3, c3]
+    assert main([*args, "--max-slowdown", "5"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(compare.format_comparison(compare.compare_runs(round_files)) + "\n")
+    assert out.splitlines()[-1] == (
+        "FAIL: 1 decode/write row(s) slower by more than 5 %: decode 3b D128 1x32768 (+5.5 %)")
+    assert main([*args, "--max-slowdown", "6"]) == 0
 
 
 def test_cli_a_file_that_is_not_a_bench_json_is_one_line(files, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Command line: ``python -m fp8kturbov COMMAND [options]``.
 
 Commands: ``bench`` (decode and write against the memory roofline; see `fp8kturbov.bench`),
-``compare`` (two ``bench --json`` files row by row; see `fp8kturbov.compare`),
+``compare`` (two ``bench --json`` runs row by row, in one or more rounds; see `fp8kturbov.compare`),
 ``info`` (library, architectures, driver and GPUs; see `fp8kturbov.info`), ``demo`` (write and
 decode a ragged batch, checked against the NumPy reference; see `fp8kturbov.demo`), ``quality``
 (V quantisation error of each width/encoder/rotation and of FP8/NVFP4 peers on synthetic data, NumPy
@@ -165,11 +165,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """``compare``: print `fp8kturbov.compare.format_comparison` of the two files; with
-    ``--max-slowdown``, the verdict too, and exit status 1 where a decode or write row is slower
-    than the baseline by more than that."""
+    """``compare``: print `fp8kturbov.compare.format_comparison` of the two files (and of the
+    further rounds' pairs, combined: `fp8kturbov.compare.compare_runs`); with ``--max-slowdown``,
+    the verdict too, and exit status 1 where a decode or write row is slower than the baseline by
+    more than that (over several rounds, by the medians)."""
     try:
-        comparison = compare.compare_files(args.baseline, args.candidate)
+        comparison = compare.compare_runs([(args.baseline, args.candidate), *(args.round or [])])
     except (ValueError, OSError) as exc:
         _error(first_line(exc), "compare")
         return 2
@@ -187,9 +188,14 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the reference run's 'bench --json' file (e.g. a build of main)")
     parser.add_argument("candidate", metavar="CANDIDATE.json",
                         help="the run compared with it (e.g. a build of a branch, same GPU)")
+    parser.add_argument("--round", nargs=2, action="append", metavar=("BASELINE.json", "CANDIDATE.json"),
+                        help="a further round: the same two builds run again (repeatable). Each time "
+                        "is then the median over the rounds, each change that of the medians, and "
+                        "every round's change is listed too")
     parser.add_argument("--max-slowdown", type=_typed(compare.parse_percent), metavar="PCT",
                         help="exit with status 1 where a decode or write row is more than PCT %% "
-                        "slower than in the baseline (default: no limit, status 0)")
+                        "slower than in the baseline (over several rounds: its median; default: no "
+                        "limit, status 0)")
 
 
 def print_paths(args: argparse.Namespace) -> int:
@@ -358,8 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and of a branch, run on the same GPU) by op, V bits, shape, head dim and query tokens; "
         "print each decode and write row's median time in both and its change, the rows of one "
         "file only, the ceiling and launch floor apart (the machine's, never slowdowns), "
-        "the worst slowdown and the geometric-mean ratio. Warns where the GPUs or the run "
-        "options differ. Exit status 1 where a row is slower than --max-slowdown allows, 2 "
+        "the worst slowdown and the geometric-mean ratio; with --round, over several rounds by "
+        "the medians. Warns where the GPUs or the run options differ. Exit status 1 where a row is slower than --max-slowdown allows, 2 "
         "where a file is not a bench JSON, else 0.")
     add_compare_arguments(compare_parser)
     compare_parser.set_defaults(handler=run_compare)

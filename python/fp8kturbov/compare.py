@@ -11,6 +11,11 @@ never count as slowdowns. Rows of one file only, and rows a run skipped, are lis
 dropped. Options that change a measurement without being in its row
 (checked mode, V encoder, soft cap, sinks, sparse-V threshold, iterations ...) are run-wide: they
 are compared as the files' configs, a difference being a warning, as is a different GPU.
+
+Runs of two builds vary by a few per cent from one run to the next, so A/B comparisons repeat
+them in interleaved rounds (`ci/bench-compare.sh`). `compare_runs` takes every round's pair of
+files: each time is then the median over the rounds that measured it, the change is that of the
+medians, and each round's own change is listed beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import dataclasses
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -36,6 +42,8 @@ CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims")
 #: (without it short launches include host time).
 DEVICE_FIELDS = ("name", "timing_gate")
 TABLE_COLUMNS = ("op", "bits", "shape", "D", "baseline us", "candidate us", "change %", "in-graph change %")
+#: The column added where several rounds are compared: each round's change, %.
+ROUNDS_COLUMN = "change % per round"
 
 
 def parse_percent(text: str) -> float:
@@ -64,7 +72,9 @@ class RowComparison:
     Times are the bench's ``median_us``, µs per launch; None where the file lacks the row
     (``only_in`` names the file that has it) or skipped it (``note`` says why). The in-graph times
     are its ``in_graph_us``, µs per launch inside a graph; None also for rows without one (the
-    ceiling's read and copy).
+    ceiling's read and copy). Over several rounds (`combine_rounds`) each time is the median over
+    the rounds that measured it and ``round_changes_pct`` holds each round's change of time, %
+    (None in a round without one); it is empty for one round.
     """
 
     op: str
@@ -77,6 +87,7 @@ class RowComparison:
     note: str = ""
     baseline_in_graph_us: float | None = None
     candidate_in_graph_us: float | None = None
+    round_changes_pct: tuple[float | None, ...] = ()
 
     @property
     def is_case(self) -> bool:
@@ -107,13 +118,15 @@ class RowComparison:
 
 @dataclass(frozen=True)
 class BenchComparison:
-    """Two runs compared: each file's context line, the warnings, one record per measurement
-    (the baseline's rows in order, then those of the candidate only)."""
+    """Two runs compared, in one or more rounds: each side's files with the first one's context
+    line, the warnings, one record per measurement (the baseline's rows in order, then those of
+    the candidate only)."""
 
     baseline: str
     candidate: str
     warnings: list[str]
     rows: list[RowComparison]
+    rounds: int = 1
 
 
 def load_bench_json(path: str | Path) -> dict[str, Any]:
@@ -176,6 +189,44 @@ def compare_rows(baseline_rows: Iterable[dict[str, Any]],
             for baseline, candidate in zip_longest(*pair)]
 
 
+def _median_of(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _merge_rounds(records: Sequence[RowComparison | None]) -> RowComparison:
+    """One measurement's records of every round (None where a round lacks it) as one record."""
+    present = [r for r in records if r is not None]
+    sides = {r.only_in for r in present}
+    return dataclasses.replace(
+        present[0],
+        baseline_us=_median_of(r.baseline_us for r in present),
+        candidate_us=_median_of(r.candidate_us for r in present),
+        baseline_in_graph_us=_median_of(r.baseline_in_graph_us for r in present),
+        candidate_in_graph_us=_median_of(r.candidate_in_graph_us for r in present),
+        only_in=sides.pop() if len(sides) == 1 else "",  # of one file only in every round
+        note="; ".join(dict.fromkeys(r.note for r in present if r.note)),
+        round_changes_pct=tuple(None if r is None else r.change_pct for r in records))
+
+
+def combine_rounds(rounds: Sequence[Sequence[RowComparison]]) -> list[RowComparison]:
+    """The records of several rounds (each a `compare_rows` result of the same two builds' runs)
+    merged into one per measurement, matched by what the record describes (and the n-th of a
+    repeated one with the other rounds' n-th), in order of first appearance: each time the median
+    over the rounds that measured it, ``round_changes_pct`` each round's change. One round is
+    returned as it is."""
+    if len(rounds) == 1:
+        return list(rounds[0])
+    merged: dict[tuple[Any, ...], list[RowComparison | None]] = {}
+    for index, records in enumerate(rounds):
+        seen: Counter[tuple[Any, ...]] = Counter()
+        for record in records:
+            what = (record.op, record.bits, record.shape, record.head_dim)
+            merged.setdefault((*what, seen[what]), [None] * len(rounds))[index] = record
+            seen[what] += 1
+    return [_merge_rounds(records) for records in merged.values()]
+
+
 def _differences(baseline: dict[str, Any], candidate: dict[str, Any], names: Iterable[str]) -> str:
     return ", ".join(f"{name} {baseline.get(name)} vs {candidate.get(name)}" for name in names
                      if baseline.get(name) != candidate.get(name))
@@ -196,14 +247,28 @@ def context_warnings(baseline: dict[str, Any], candidate: dict[str, Any]) -> lis
     return warnings
 
 
+def compare_runs(rounds: Sequence[tuple[str | Path, str | Path]]) -> BenchComparison:
+    """Load each round's baseline and candidate ``bench --json`` files (`load_bench_json`),
+    compare each pair row by row and combine the rounds (`combine_rounds`). The warnings are
+    those of every round's pair, each once."""
+    if not rounds:
+        raise ValueError("no files to compare")
+    documents = [(load_bench_json(b), load_bench_json(c)) for b, c in rounds]
+
+    def side(index: int) -> str:
+        paths = ", ".join(str(pair[index]) for pair in rounds)
+        return f"{paths}: {bench.context_line(documents[0][index]['device'])}"
+
+    warnings = [w for baseline, candidate in documents for w in context_warnings(baseline, candidate)]
+    return BenchComparison(
+        baseline=side(0), candidate=side(1), warnings=list(dict.fromkeys(warnings)),
+        rows=combine_rounds([compare_rows(b["rows"], c["rows"]) for b, c in documents]),
+        rounds=len(rounds))
+
+
 def compare_files(baseline_path: str | Path, candidate_path: str | Path) -> BenchComparison:
     """Load two ``bench --json`` files (`load_bench_json`) and compare them row by row."""
-    baseline, candidate = load_bench_json(baseline_path), load_bench_json(candidate_path)
-    return BenchComparison(
-        baseline=f"{baseline_path}: {bench.context_line(baseline['device'])}",
-        candidate=f"{candidate_path}: {bench.context_line(candidate['device'])}",
-        warnings=context_warnings(baseline, candidate),
-        rows=compare_rows(baseline["rows"], candidate["rows"]))
+    return compare_runs([(baseline_path, candidate_path)])
 
 
 def _signed(value: float | None) -> str:
@@ -211,10 +276,12 @@ def _signed(value: float | None) -> str:
 
 
 def table_rows(records: Iterable[RowComparison]) -> list[tuple[str, ...]]:
-    """The cells of the decode and write rows found in both files, in `TABLE_COLUMNS` order."""
+    """The cells of the decode and write rows found in both files, in `TABLE_COLUMNS` order, then
+    (over several rounds) `ROUNDS_COLUMN`: the rounds' changes, ``/``-separated."""
     return [(r.op, str(r.bits), r.shape, str(r.head_dim), bench.format_number(r.baseline_us, 2),
              bench.format_number(r.candidate_us, 2), _signed(r.change_pct),
              _signed(r.in_graph_change_pct))
+            + (("/".join(map(_signed, r.round_changes_pct)),) if r.round_changes_pct else ())
             for r in records if r.is_case and not r.only_in]
 
 
@@ -240,8 +307,12 @@ def format_comparison(comparison: BenchComparison) -> str:
     """The files, the warnings, the table of the decode and write rows of both files, the rows
     without a change (of one file only, or skipped), the ceiling and floor, and `summary_line`."""
     records = comparison.rows
-    lines = [f"baseline:  {comparison.baseline}", f"candidate: {comparison.candidate}",
-             *comparison.warnings, "", bench.format_table(table_rows(records), TABLE_COLUMNS), ""]
+    columns = TABLE_COLUMNS + ((ROUNDS_COLUMN,) if comparison.rounds > 1 else ())
+    lines = [f"baseline:  {comparison.baseline}", f"candidate: {comparison.candidate}"]
+    if comparison.rounds > 1:
+        lines.append(f"{comparison.rounds} rounds: each time is the median over the rounds, each "
+                     "change that of the medians")
+    lines += [*comparison.warnings, "", bench.format_table(table_rows(records), columns), ""]
     lines += [f"{r.describe()}: only in {r.only_in}" for r in records if r.only_in]
     lines += [f"{r.describe()}: {r.note}" for r in records if r.note]
     machine = [r for r in records if not r.is_case and not r.only_in]
