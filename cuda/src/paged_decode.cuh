@@ -571,8 +571,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       out_of_range |= a.index_check.page_out_of_range(__ldg(table + block));
     pages_masked = __syncthreads_or(out_of_range) != 0;
     if (pages_masked && tid == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE);
-  } else {
-    __syncthreads();
   }
   // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e), or with soft-capping
   // s2 = cap · tanh((q·k) · k_scale · inv_sqrt_d / cap) · log2(e).
@@ -819,7 +817,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       copy_async_commit();
     }
     // The level-pair table, while the first tiles are in flight: its reads (the codebook table, from
-    // L2 at a CTA's start) overlap theirs; the CTA barrier makes it visible to every warp.
+    // L2 at a CTA's start) overlap theirs; the CTA barrier makes it, and the query in q_s, visible to
+    // every warp.
     for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
       const int e = i / LevelPairs::kCopies;
       level_pair_s[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
