@@ -116,24 +116,17 @@ struct CodeCells {
   }
   static_assert(windows_hold_one_bound(), "a code cell's window holds at most one bound");
 
-  // The entries, computed at compile time from the bounds (FORMAT §3.1): the bounds at or below a
+  // Entry `cell`, computed at compile time from the bounds (FORMAT §3.1): the bounds at or below a
   // window's lower end, y_cell − kCellSlack (y_cell = (cell − kCells / 2) / kCellsPerUnit, the cell's
   // lower edge; −inf for cell 0), are reached by every value in the window.
-  struct Table {
-    CodeCell entries[kCells];
-  };
-  static constexpr Table table() {
-    Table t{};
-    for (int cell = 0; cell < kCells; ++cell) {
-      const float window_low = float(cell - kCells / 2) / kCellsPerUnit - kCellSlack;
-      uint32_t below = 0;
-      for (int i = 0; cell > 0 && i < kBoundCount; ++i) below += CB::kBounds[i] <= window_low ? 1u : 0u;
-      t.entries[cell] = {below < uint32_t(kBoundCount) ? CB::kBounds[below] : std::numeric_limits<float>::quiet_NaN(),
-                         below};
-    }
-    return t;
+  static constexpr CodeCell entry(int cell) {
+    const float window_low = float(cell - kCells / 2) / kCellsPerUnit - kCellSlack;
+    uint32_t below = 0;
+    for (int i = 0; cell > 0 && i < kBoundCount; ++i) below += CB::kBounds[i] <= window_low ? 1u : 0u;
+    return {below < uint32_t(kBoundCount) ? CB::kBounds[below] : std::numeric_limits<float>::quiet_NaN(), below};
   }
 };
+
 // The codebook where the threads of a warp read different entries at once: the levels and, from 3
 // bits, the code cells. It is computed at compile time and held in global memory (kCodebookTable),
 // where a warp reads it in one coalesced request (constant memory would serialise different
@@ -152,8 +145,7 @@ constexpr CodebookTable<BITS> codebook_table() {
   CodebookTable<BITS> t{};
   for (int i = 0; i < (1 << BITS); ++i) t.levels[i] = Codebook<BITS>::kLevels[i];
   if constexpr (BITS >= 3) {
-    const auto cells = CodeCells<BITS>::table();
-    for (int i = 0; i < CodeCells<BITS>::kCells; ++i) t.cells[i] = cells.entries[i];
+    for (int i = 0; i < CodeCells<BITS>::kCells; ++i) t.cells[i] = CodeCells<BITS>::entry(i);
   }
   return t;
 }

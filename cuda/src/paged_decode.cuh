@@ -488,46 +488,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     return kv_head * group_size + (EXTENDED ? uint32_t(first_column + c) % group_size : uint32_t(first_column + c));
   };
 
-  // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
-  // + 1 (causal inside the query chunk; seq_len for one token); a length beyond the block table
-  // is clamped to it so that no read leaves the table. The CTA's range spans its columns'; it
-  // takes its split's share of whole tiles.
-  const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
-  const int seq_len = min(max(given_seq_len, 0), table_positions);
-  if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
-  if (reports && EXTENDED && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
-  auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
-  auto window_start = [&](int end) {
-    return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
-  };
-  const int start = window_start(column_end(0));
-  const int attend_end = column_end(num_columns - 1);
-  // Columns of several query tokens attend different ranges: their loop masks per column.
-  const bool columns_masked = column_token(0) != column_token(num_columns - 1);
-  // Tiles sit on absolute multiples of 16 positions (so that with block_size % 16 == 0 a tile lies
-  // in one page); rows outside [range_begin, range_end) are masked.
-  const int64_t split_begin = (start & ~(kTileTokens - 1)) + int64_t(split) * plan.split_tokens;
-  const int64_t split_end = split_begin + plan.split_tokens;
-  const int range_begin = int(split_begin > start ? split_begin : start);
-  const int range_end = int(split_end < attend_end ? split_end : attend_end);
-  const bool tile_in_one_page = a.block_size % kTileTokens == 0;
-
-  // Checked mode: the CTA checks the page of every position it attends, table entries
-  // [check_begin, check_end), before its loop. Each thread's first entry is loaded here, so that
-  // its latency overlaps the query's.
-  const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
-  uint32_t check_begin = 0, check_end = 0;
-  int32_t first_page = 0;
-  if (a.index_check.enabled()) {
-    if (range_begin < range_end) {
-      uint32_t offset;
-      split_position(a, uint32_t(range_begin), check_begin, offset);
-      split_position(a, uint32_t(range_end - 1), check_end, offset);
-      ++check_end;
-      if (check_begin + tid < check_end) first_page = __ldg(table + check_begin + tid);
-    }
-  }
-
   // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
   // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
   // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
@@ -555,7 +515,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     return gain;
   };
   // One query token: the chunk's heads are consecutive in its q row, so the loads are one strided
-  // stream that the compiler batches (in flight together); several tokens: per column.
+  // stream that the compiler batches (in flight together); several tokens: per column. The query
+  // is loaded before anything waits on seq_lens, so that the two loads' latencies overlap.
   float q_gain;
   if constexpr (EXTENDED) {
     q_gain = load_query([&](int i) {
@@ -566,17 +527,50 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     const uint16_t* q_row = a.q + uint64_t(row0) * a.q_stride + uint64_t(column_head(0)) * HEAD_DIM;
     q_gain = load_query([&](int i) { return q_row[i]; });
   }
+
+  // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
+  // + 1 (causal inside the query chunk; seq_len for one token); a length beyond the block table
+  // is clamped to it so that no read leaves the table. The CTA's range spans its columns'; it
+  // takes its split's share of whole tiles.
+  const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
+  const int seq_len = min(max(given_seq_len, 0), table_positions);
+  if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
+  if (reports && EXTENDED && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+  auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
+  auto window_start = [&](int end) {
+    return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
+  };
+  const int start = window_start(column_end(0));
+  const int attend_end = column_end(num_columns - 1);
+  // Columns of several query tokens attend different ranges: their loop masks per column.
+  const bool columns_masked = column_token(0) != column_token(num_columns - 1);
+  // Tiles sit on absolute multiples of 16 positions (so that with block_size % 16 == 0 a tile lies
+  // in one page); rows outside [range_begin, range_end) are masked.
+  const int64_t split_begin = (start & ~(kTileTokens - 1)) + int64_t(split) * plan.split_tokens;
+  const int64_t split_end = split_begin + plan.split_tokens;
+  const int range_begin = int(split_begin > start ? split_begin : start);
+  const int range_end = int(split_end < attend_end ? split_end : attend_end);
+  const bool tile_in_one_page = a.block_size % kTileTokens == 0;
+
+  const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
+
   // Only a CTA that finds a page out of range masks tiles in its loop; the others run the loop of
   // the unchecked kernel.
   bool pages_masked = false;
   if (a.index_check.enabled()) {  // CTA-uniform
-    bool out_of_range = check_begin + tid < check_end && a.index_check.page_out_of_range(first_page);
-    for (uint32_t block = check_begin + tid + kDecodeThreads; block < check_end; block += kDecodeThreads)
+    // Checked mode: the CTA checks the page of every position it attends, table entries
+    // [check_begin, check_end), before its loop.
+    uint32_t check_begin = 0, check_end = 0, offset;
+    if (range_begin < range_end) {
+      split_position(a, uint32_t(range_begin), check_begin, offset);
+      split_position(a, uint32_t(range_end - 1), check_end, offset);
+      ++check_end;
+    }
+    bool out_of_range = false;
+    for (uint32_t block = check_begin + tid; block < check_end; block += kDecodeThreads)
       out_of_range |= a.index_check.page_out_of_range(__ldg(table + block));
     pages_masked = __syncthreads_or(out_of_range) != 0;
     if (pages_masked && tid == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE);
-  } else {
-    __syncthreads();
   }
   // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e), or with soft-capping
   // s2 = cap · tanh((q·k) · k_scale · inv_sqrt_d / cap) · log2(e).
@@ -823,7 +817,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       copy_async_commit();
     }
     // The level-pair table, while the first tiles are in flight: its reads (the codebook table, from
-    // L2 at a CTA's start) overlap theirs; the CTA barrier makes it visible to every warp.
+    // L2 at a CTA's start) overlap theirs; the CTA barrier makes it, and the query in q_s, visible to
+    // every warp.
     for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
       const int e = i / LevelPairs::kCopies;
       level_pair_s[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
