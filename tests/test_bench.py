@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -230,7 +231,44 @@ def test_time_launches_rotates_sets_and_gates_chunks():
     timing = bench.time_launches(dev, launches, iters=70, warmup=3)
     assert order == [0, 1, 0] + [i % 2 for i in range(70)]
     assert (timing.median_us, timing.min_us, timing.samples) == (2.0, 1.0, 70)
+    # The median falls between the two sets; each set's own median is kept.
+    assert timing.set_medians_us == (1.0, 3.0) and timing.set_spread() == 2.0
     assert dev.log.count("hold") == dev.log.count("open") == -(-70 // bench.GATE_CHUNK)
+
+
+def test_timing_keeps_each_sets_median():
+    # Samples of three sets rotating, set 1 slower than the others by 10 %.
+    samples = [[100.0, 110.0, 100.5][i % 3] + 0.1 * (i % 5) for i in range(31)]
+    timing = bench.Timing.of(samples, sets=3)
+    assert timing.set_medians_us == tuple(statistics.median(samples[k::3]) for k in range(3))
+    assert timing.set_spread() == pytest.approx(max(timing.set_medians_us) / min(timing.set_medians_us) - 1)
+    assert 0.09 < timing.set_spread() < 0.11
+    per_launch = timing.per_launch(4)
+    assert per_launch.set_medians_us == tuple(t / 4 for t in timing.set_medians_us)
+    assert per_launch.set_spread() == pytest.approx(timing.set_spread())
+    assert bench.Timing.of([5.0, 7.0]).set_medians_us == (6.0,)  # one set: the median itself
+    assert bench.Timing.of([5.0], sets=3).set_medians_us == (5.0,)  # fewer samples than sets
+    assert bench.Timing(1.0, 1.0, 1).set_spread() == 0.0
+
+
+@pytest.mark.parametrize("set_times, l2, note", [
+    ((100.0, 100.0, 104.0), False, ""),             # 4 % apart: not marked
+    ((100.0, 111.0, 100.0), False, "sets 11 %"),
+    ((2.0, 2.2, 2.0), True, "L2, sets 10 %"),
+    ((2.0, 2.0, 2.0), True, "L2"),
+])
+def test_rows_whose_sets_differ_are_marked(monkeypatch, set_times, l2, note):
+    samples = [set_times[i % 3] for i in range(30)]
+    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of(samples, 3))
+    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
+    config = bench.Config(ops=("decode",), shapes=((1, 64),) if l2 else ((32, 32768),), bits=(3,), peers=False)
+    (shape,) = bench.build_cases(config)
+    result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+    assert result.note == note
+    assert result.set_medians_us == list(set_times)
+    assert bench.table_rows([bench.dataclasses.asdict(result)])[0][-1] == note
 
 
 class FakeGraphDevice(FakeDevice):
@@ -258,7 +296,7 @@ def test_time_graph_chain_times_one_graph_of_many_launches_per_launch():
     dev = FakeGraphDevice([1.0, 3.0])
     timing = bench.time_graph_chain(dev, [lambda: dev.node(0), lambda: dev.node(1)], iters=8, warmup=1)
     assert dev.graphs == [[0, 1] * (bench.GRAPH_CHAIN // 2)]  # the input sets rotate inside it
-    assert timing == bench.Timing(2.0, 2.0, 8)
+    assert timing == bench.Timing(2.0, 2.0, 8, (2.0,))
     # A replay queues GRAPH_CHAIN kernels: one per gate, as many as a gate's chunk of single launches.
     assert dev.log.count("hold") == dev.log.count("open") == 8
 
@@ -519,7 +557,9 @@ def test_json_schema(tmp_path):
     keys = {f.name for f in bench.dataclasses.fields(bench.Result)}
     assert all(set(row) == keys for row in document["rows"])
     peer = document["rows"][3]["peers"]["bf16_sdpa"]
-    assert set(peer) == {"status", "bytes", "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}
+    assert set(peer) == {"status", "bytes", "median_us", "min_us", "samples", "set_medians_us", "gbps",
+                         "pct_of_ceiling"}
+    assert document["rows"][3]["set_medians_us"] == [14.5] and document["rows"][4]["set_medians_us"] == []
     assert document["rows"][4]["median_us"] is None
     assert [row["q_len"] for row in document["rows"]] == [None, None, None, 1, 1, None]
     bench.write_json(tmp_path / "q4.json", rows, DEVICE, bench.Config(q_len=4))

@@ -42,7 +42,10 @@ refuses stream memory operations, or when asked (``Device(timing_gate=False)``,
 off (``timing_gate`` in the device dict) and short launches then include some host time. Input
 sets rotate so that consecutive launches read different memory; a row whose sets together fit in
 L2 is marked "L2" and its bandwidth may exceed the ceiling (the H200's L2 holds 60 MB: the short
-shapes fit).
+shapes fit). Each set's own median is kept too (``set_medians_us``): where they lie more than 5 %
+apart the row is marked "sets N %", since its median then is one set's time rather than the
+others' and moves between runs with the sets (on an H200, turbo3v at head_dim 256 and 32 × 32768
+was such a row: 855 or 950 µs from run to run).
 
 Units
 -----
@@ -359,26 +362,39 @@ def fits_in_memory(needed: int, free: int) -> bool:
 
 @dataclass(frozen=True)
 class Timing:
-    """Per-launch times of one case, µs."""
+    """Per-launch times of one case, µs; ``set_medians_us``: the median of each input set's
+    samples (sample ``i`` is of set ``i mod sets``)."""
 
     median_us: float
     min_us: float
     samples: int
+    set_medians_us: tuple[float, ...] = ()
 
     @classmethod
-    def of(cls, samples_us: Sequence[float]) -> Timing:
-        return cls(statistics.median(samples_us), min(samples_us), len(samples_us))
+    def of(cls, samples_us: Sequence[float], sets: int = 1) -> Timing:
+        return cls(statistics.median(samples_us), min(samples_us), len(samples_us),
+                   tuple(statistics.median(samples_us[k::sets]) for k in range(min(sets, len(samples_us)))))
 
     def per_launch(self, launches: int) -> Timing:
         """The times of samples that each ran ``launches`` launches, per launch."""
-        return Timing(self.median_us / launches, self.min_us / launches, self.samples)
+        return Timing(self.median_us / launches, self.min_us / launches, self.samples,
+                      tuple(t / launches for t in self.set_medians_us))
+
+    def set_spread(self) -> float:
+        """How far apart the input sets' medians are: the slowest over the fastest, minus 1."""
+        return max(self.set_medians_us) / min(self.set_medians_us) - 1.0 if self.set_medians_us else 0.0
+
+
+# A row whose input sets' medians are further apart than this is marked: its median is then one
+# set's time more than the others', and moves between runs as the sets do.
+SET_SPREAD_NOTE = 0.05
 
 
 def measured(nbytes: int, timing: Timing, ceiling_gbps: float) -> dict[str, Any]:
     """The numbers of ``timing`` for a launch moving ``nbytes``: times (µs), GB/s, % of ceiling."""
     achieved = gbps(nbytes, timing.median_us)
     return {"bytes": nbytes, "median_us": timing.median_us, "min_us": timing.min_us,
-            "samples": timing.samples, "gbps": achieved,
+            "samples": timing.samples, "set_medians_us": list(timing.set_medians_us), "gbps": achieved,
             "pct_of_ceiling": 100.0 * achieved / ceiling_gbps}
 
 
@@ -400,6 +416,7 @@ class Result:
     median_us: float | None = None
     min_us: float | None = None
     samples: int = 0
+    set_medians_us: list[float] = field(default_factory=list)
     gbps: float | None = None
     pct_of_ceiling: float | None = None
     floor_us: float | None = None
@@ -439,7 +456,7 @@ def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: in
                 launches[i % len(launches)]()
                 dev.record(events[2 * i + 1])
     dev.synchronize()
-    return Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)])
+    return Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)], len(launches))
 
 
 def time_graph_chain(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
@@ -887,8 +904,12 @@ def measure_ceiling(dev: Device, config: Config) -> tuple[Result, Result]:
 def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[], None]],
                     config: Config, ceiling_gbps: float) -> None:
     """Time ``enqueues`` (one per input set) one launch per graph replay, the row's times, and
-    `GRAPH_CHAIN` launches per graph, its ``in_graph_us``."""
-    result.record(time_graphs(dev, enqueues, config.iters, config.warmup), ceiling_gbps)
+    `GRAPH_CHAIN` launches per graph, its ``in_graph_us``. Marks a row whose sets' medians are
+    more than `SET_SPREAD_NOTE` apart ("sets N %")."""
+    timing = time_graphs(dev, enqueues, config.iters, config.warmup)
+    result.record(timing, ceiling_gbps)
+    if timing.set_spread() > SET_SPREAD_NOTE:
+        result.note = f"sets {100 * timing.set_spread():.0f} %"
     chain = time_graph_chain(dev, enqueues, max(1, config.iters // 4), min(config.warmup, 2))
     result.in_graph_us = chain.median_us
 
@@ -931,7 +952,7 @@ class _Runner:
                 enqueues = write_enqueues(self.dev, shape, self.config, self.rng)
             record_launches(result, self.dev, enqueues, self.config, self.ceiling)
         if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
-            result.note = "L2"
+            result.note = ", ".join(filter(None, ["L2", result.note]))
         if shape.op == "decode" and self.config.peers and shape.q_len == 1:
             result.peers = self.peers(shape)
         return result
@@ -1090,7 +1111,7 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
                  f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
                  f"{'checked mode' if config.checked else 'unchecked'}{_options_text(config)}; "
                  f"median of {config.iters} graph replays rotating {config.sets} input sets; "
-                 "L2: all sets fit in L2 together")
+                 "L2: all sets fit in L2 together; sets N %: the sets' own medians N % apart")
     if not device.get("timing_gate", True):
         lines.append("timing gate unsupported by this driver: short launches include host time")
     lines.append(context_line(device))
@@ -1151,15 +1172,18 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "bytes": int            bytes the launch must move (see launch_bytes),
                    "median_us", "min_us": float|null  per launch, µs (null: skipped),
                    "samples": int,
+                   "set_medians_us": [float]  per launch, the median of each input set's samples
+                                           (sample i is of set i mod sets), µs ([] where skipped),
                    "gbps": float|null      bytes / median, 1e9 B/s,
                    "pct_of_ceiling": float|null,
                    "floor_us": float|null  bytes / ceiling, µs,
                    "in_graph_us": float|null  per launch, median over replays of one graph of
                                            GRAPH_CHAIN (32) launches back to back, µs,
-                   "note": ""|"L2"|"skipped: <why>",
+                   "note": ""|"L2"|"sets <N> %"|"L2, sets <N> %"|"skipped: <why>",
                    "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
-                             "median_us", "min_us", "samples", "gbps", "pct_of_ceiling"}}}]}
+                             "median_us", "min_us", "samples", "set_medians_us", "gbps",
+                             "pct_of_ceiling"}}}]}
 
     The first row is the ceiling (``op == "read"``), the second the copy, the third the launch
     floor.
