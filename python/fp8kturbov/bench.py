@@ -44,8 +44,8 @@ sets rotate so that consecutive launches read different memory; a row whose sets
 L2 is marked "L2" and its bandwidth may exceed the ceiling (the H200's L2 holds 60 MB: the short
 shapes fit). Each set's own median is kept too (``set_medians_us``): where they lie more than 5 %
 apart the row is marked "sets N %", since its median then is one set's time rather than the
-others' and moves between runs with the sets (on an H200, turbo3v at head_dim 256 and 32 × 32768
-was such a row: 855 or 950 µs from run to run).
+others' and moves between runs with the sets (memory placement, say); where a row moves between
+runs although its sets agree, the cause lies elsewhere.
 
 Units
 -----
