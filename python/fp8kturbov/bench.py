@@ -385,8 +385,8 @@ class Timing:
         return max(self.set_medians_us) / min(self.set_medians_us) - 1.0 if self.set_medians_us else 0.0
 
 
-# A row whose input sets' medians are further apart than this is marked: its median is then one
-# set's time more than the others', and moves between runs as the sets do.
+# A row whose input sets' medians are further apart than this is marked: its median is then mostly
+# one set's time, and moves between runs with the sets.
 SET_SPREAD_NOTE = 0.05
 
 
