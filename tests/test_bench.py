@@ -733,5 +733,6 @@ def test_gpu_cli_multi_token_decode_one_tiny_shape(tmp_path, capsys):
     assert document["config"]["q_len"] == 4
     decode = document["rows"][3]
     assert (decode["op"], decode["q_len"], decode["samples"], decode["peers"]) == ("decode", 4, 5, {})
-    assert decode["median_us"] > 0 and decode["note"] in ("", "L2")
+    # Where the sets' own medians differ (a sanitizer's timing), the note says so: none else is due.
+    assert decode["median_us"] > 0 and re.fullmatch(r"(L2)?|(L2, )?sets \d+ %", decode["note"]), decode["note"]
     assert decode["bytes"] == bench.launch_bytes(bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, 4))
