@@ -137,7 +137,11 @@ constexpr bool kArchHasTensorCopies = true;
 struct DecodeTensorMaps {
   CUtensorMap k;      // K pool: [pages][block_size rows][row bytes], box: a warp's slice of 16 rows
   CUtensorMap codes;  // V code rows, the same box shape
-  uint32_t enabled;   // 0: the threads copy every tile (cp.async)
+  // V scale rows, [pages][block_size rows][row scale bytes]; box: 16 bytes of 16 rows, from the warp's
+  // slice's scales on (the narrowest box a tensor copy moves)
+  CUtensorMap scales;
+  uint32_t enabled;         // 0: the threads copy every tile (cp.async)
+  uint32_t scales_enabled;  // with enabled: the scales by the copy engine too (0: by the threads)
 };
 
 // The barrier helpers and copy_box take shared-memory addresses (shared_address): a warp computes
@@ -370,9 +374,16 @@ struct DecodeShape {
   static constexpr int kKRowBytes = kSliceDim;
   static constexpr int kCodeRowBytes = kSliceDim * BITS / 8;
   static constexpr int kScaleRowBytes = kSliceDim / kGroupElems;
+  // 4 bits: the copy engine copies the scale rows too, where their tensor map can be encoded. Their
+  // stage rows are then 16 bytes apart (a box's width), the slice's scales some bytes into each
+  // (scale_skew). For 2 and 3 bits, whose lookups leave the shared-memory pipe room for the threads'
+  // copies, it measured slower (docs/PERFORMANCE.md, version 43 (g)).
+  static constexpr bool kScalesByTensorCopy = BITS == 4;
+  static constexpr int kScaleRowPitch = kScalesByTensorCopy ? 16 : kScaleRowBytes;
+  static_assert(kScaleRowBytes <= kScaleRowPitch, "a slice's scales fit a scale row of the stage");
   static constexpr int kStageKBytes = kTileTokens * kKRowBytes;
   static constexpr int kStageCodeBytes = kTileTokens * kCodeRowBytes;
-  static constexpr int kStageScaleBytes = kTileTokens * kScaleRowBytes;
+  static constexpr int kStageScaleBytes = kTileTokens * kScaleRowPitch;
   static constexpr int kStageBytes = kStageKBytes + kStageCodeBytes + kStageScaleBytes;
   static_assert(kStageKBytes % 16 == 0 && kStageCodeBytes % 16 == 0, "stage sections stay 16-byte aligned");
   // Widest copy of a V code row slice that the format's offsets allow (the runtime pool layout
@@ -406,7 +417,8 @@ struct DecodeSmem {
   static constexpr int kPagesOffset = kQOffset + kQBytes;
   static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
   static constexpr int kBytes = kPagesOffset + kPagesBytes;
-  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0,
+  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0 &&
+                    (!S::kScalesByTensorCopy || S::kStageScaleBytes % 128 == 0),
                 "the tensor copies' destinations stay 128-byte aligned, the K sections in one swizzle phase");
 };
 
@@ -459,6 +471,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if (maps.enabled && tid == 0) {  // the descriptors' fetch overlaps the prologue
       prefetch_tensor_map(maps.k);
       prefetch_tensor_map(maps.codes);
+      if (S::kScalesByTensorCopy && maps.scales_enabled) prefetch_tensor_map(maps.scales);
     }
   }
 
@@ -592,6 +605,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     const uint64_t k_slice = uint64_t(kv_head) * HEAD_DIM + slice_d0;  // < 2^32
     const uint64_t code_slice = k_slice * BITS / 8;
     const uint64_t scale_slice = a.v_data_section_bytes + k_slice / kGroupElems;
+    // A tensor copy's box must start at a 16-byte boundary of the scale row: the slice's scales lie
+    // scale_skew bytes into each 16-byte row of the stage (the threads' copies put them there too),
+    // where Stage::scales points.
+    const uint32_t scale_skew = S::kScalesByTensorCopy ? uint32_t(k_slice / kGroupElems) % 16 : 0;
     const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
 
     auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
@@ -616,7 +633,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     auto warp_stage = [&](int index) {
       const int slot = warp * kDecodeStages + index;
       return Stage{ring + slot * S::kStageKBytes, ring + L::kRingCodesOffset + slot * S::kStageCodeBytes,
-                   ring + L::kRingScalesOffset + slot * S::kStageScaleBytes};
+                   ring + L::kRingScalesOffset + scale_skew + slot * S::kStageScaleBytes};
     };
     int32_t* const warp_pages = page_ring + warp * kDecodeStages * kTileTokens;
 
@@ -710,17 +727,21 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         return kWhole || (row >= valid_begin && row < valid_end &&
                           (!kMaskPages || kOnePage || !((masked_rows >> row) & 1)));
       };
-      // K rows and V code rows: a whole tile by the copy engine where the launch has tensor maps,
-      // else by the threads (cp.async: rows out of range zero-filled), the stage's barrier phase then
-      // completing with the arrival alone.
+      // K rows, V code rows and (kScalesByTensorCopy) V scale rows: a whole tile by the
+      // copy engine where the launch has tensor maps, else by the threads (cp.async: rows out of range
+      // zero-filled), the stage's barrier phase then completing with the arrival alone.
       const uint32_t filled = stage_filled(slot);
-      bool copied = false;
+      bool copied = false, scales_copied = false;
       if constexpr (kArchHasTensorCopies && kWhole && CODE_COPY == 16 && S::kCodeRowBytes % 16 == 0) {
-        if (maps.enabled) {  // CTA-uniform
+        if (maps.enabled) {  // CTA-uniform, as scales_enabled
+          scales_copied = S::kScalesByTensorCopy && maps.scales_enabled;
           if (elect_one_lane()) {
-            barrier_arrive_expecting(filled, S::kStageKBytes + S::kStageCodeBytes);
+            barrier_arrive_expecting(filled, S::kStageKBytes + S::kStageCodeBytes + (scales_copied ? S::kStageScaleBytes : 0));
             copy_box(shared_address(stage.k), maps.k, int(k_slice), int(offset0), int(page0), filled);
             copy_box(shared_address(stage.codes), maps.codes, int(code_slice), int(offset0), int(page0), filled);
+            if (scales_copied)
+              copy_box(shared_address(stage.scales - scale_skew), maps.scales, int(k_slice / kGroupElems - scale_skew), int(offset0),
+                       int(page0), filled);
           }
           copied = true;
         }
@@ -754,14 +775,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         }
         if (kArchHasTensorCopies && lane == 0) barrier_arrive_expecting(filled, 0);
       }
-      // Scales: 4 or 8 bytes per row, in 4-byte copies.
+      // Scales by the threads: 4 or 8 bytes per row, in 4-byte copies.
       constexpr int kScaleRowCopies = S::kScaleRowBytes / 4;
-      if (lane < kTileTokens * kScaleRowCopies) {
+      if (!scales_copied && lane < kTileTokens * kScaleRowCopies) {
         const int row = lane / kScaleRowCopies;
         const int part = lane % kScaleRowCopies;
         const bool valid = valid_row(row);
         const uint8_t* src = tile_rows(a.v_cache, a.v_block_stride_bytes, row_scale_bytes, scale_slice)(row) + 4 * part;
-        copy_async<4>(stage.scales + row * S::kScaleRowBytes + 4 * part,
+        copy_async<4>(stage.scales + row * S::kScaleRowPitch + 4 * part,
                       valid ? src : a.v_cache, valid);
       }
     };
@@ -973,7 +994,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         for (int j = 0; j < 4; ++j) {
           const int row = v_row_token[j];
           read_code_bytes<S::kCodeBytes>(stage.codes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
-          scale_bytes[j] = stage.scales[row * S::kScaleRowBytes + g * S::kThreadDims / kGroupElems];
+          scale_bytes[j] = stage.scales[row * S::kScaleRowPitch + g * S::kThreadDims / kGroupElems];
         }
         const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
                                         e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
@@ -1295,6 +1316,11 @@ DecodeTensorMaps decode_tensor_maps(const DecodeArgs& args, const void* kernel) 
                         S::kKRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE) &&
         encode_pool_map(&maps.codes, args.v_cache, row_elems / 8 * BITS, args.block_size, args.v_block_stride_bytes,
                         S::kCodeRowBytes, CU_TENSOR_MAP_SWIZZLE_NONE);
+    // The scale rows' map needs 16-byte multiples too (an even number of KV heads at head_dim 128).
+    maps.scales_enabled =
+        S::kScalesByTensorCopy && maps.enabled && encode_pool_map(&maps.scales, args.v_cache + args.v_data_section_bytes,
+                                        row_elems / kGroupElems, args.block_size, args.v_block_stride_bytes,
+                                        S::kScaleRowPitch, CU_TENSOR_MAP_SWIZZLE_NONE);
   }
   return maps;
 }
