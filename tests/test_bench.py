@@ -271,6 +271,71 @@ def test_rows_whose_sets_differ_are_marked(monkeypatch, set_times, l2, note):
     assert bench.table_rows([bench.dataclasses.asdict(result)])[0][-1] == note
 
 
+class FakeClockLimits:
+    """`ClockLimits` whose counters grow by ``steps_ns`` (per limit) at each reading."""
+
+    def __init__(self, steps_ns: dict[str, int]) -> None:
+        self.steps_ns, self.readings = steps_ns, 0
+
+    def held_ns(self) -> dict[str, int]:
+        self.readings += 1
+        return {name: step * self.readings for name, step in self.steps_ns.items()}
+
+
+class SilentClockLimits:
+    """`ClockLimits` after NVML stopped answering."""
+
+    def held_ns(self) -> None:
+        return None
+
+
+def test_clock_limits_held_gives_each_limits_share_of_the_block():
+    clock = iter([1_000_000, 3_000_000]).__next__  # the block takes 2 ms
+    with bench.clock_limits_held(FakeClockLimits({"power cap": 500_000, "thermal": 0}), clock) as held:
+        assert held == {}  # filled once the block has run
+    assert held == {"power cap": 0.25, "thermal": 0.0}
+    clock = iter([0, 1000]).__next__  # a counter running ahead of the host clock counts as all of it
+    with bench.clock_limits_held(FakeClockLimits({"power cap": 5000, "thermal": 0}), clock) as held:
+        pass
+    assert held == {"power cap": 1.0, "thermal": 0.0}
+    for limits in (None, SilentClockLimits()):
+        with bench.clock_limits_held(limits) as held:
+            pass
+        assert held == {}
+
+
+def test_clock_limit_notes_join_the_rows_notes():
+    row = bench.Result(op="decode", shape="32x32768", note="sets 12 %")
+    row.mark_clock_limits({"power cap": 0.404, "thermal": 0.005})  # 0.5 %: under CLOCK_LIMIT_NOTE
+    assert row.note == "sets 12 %, power cap 40 %"
+    assert row.clock_limited == {"power cap": 0.404, "thermal": 0.005}
+    row = bench.Result(op="decode", shape="32x32768")
+    row.mark_clock_limits({"power cap": 0.0, "thermal": 0.5})
+    assert row.note == "thermal 50 %"
+    row = bench.Result(op="decode", shape="32x32768")
+    row.mark_clock_limits({})  # not known
+    assert row.note == "" and row.clock_limited is None
+
+
+def test_rows_and_peers_held_by_a_clock_limit_are_marked(monkeypatch):
+    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
+    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
+    monkeypatch.setattr(bench, "PEERS", {"bf16_sdpa": lambda dev, shape, config: (1000, bench.Timing.of([50.0]))})
+    config = bench.Config(ops=("decode",), shapes=((32, 32768),), bits=(3,))
+    (shape,) = bench.build_cases(config)
+    # Counters that grow by 1000 s per reading: the power limit held through every block.
+    limits = FakeClockLimits({"power cap": 10**12, "thermal": 0})
+    result = bench._Runner(FakeRunnerDevice(), config, 4000.0, limits).case(shape)
+    assert result.note == "power cap 100 %"
+    assert result.clock_limited == result.peers["bf16_sdpa"]["clock_limited"] == {"power cap": 1.0, "thermal": 0.0}
+    assert limits.readings == 4  # before and after the row's timing, and the peer's
+    result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+    assert result.note == "" and result.clock_limited is None
+    assert result.peers["bf16_sdpa"]["clock_limited"] is None
+
+
 class FakeGraphDevice(FakeDevice):
     """FakeDevice with graphs: a graph is the list of the nodes enqueued while it was captured;
     replaying it advances the clock by their durations."""
@@ -438,6 +503,14 @@ def test_report_has_the_table_ceiling_floor_and_context():
     assert not any("timing gate" in line for line in lines)
 
 
+def test_report_says_where_clock_limits_were_not_known():
+    rows = fake_rows()
+    assert "clock limits not known: NVML's counters were not available" in bench.format_report(rows, DEVICE,
+                                                                                               bench.Config())
+    rows[0]["clock_limited"] = {"power cap": 0.0, "thermal": 0.0}  # the ceiling's row
+    assert "clock limits not known" not in bench.format_report(rows, DEVICE, bench.Config())
+
+
 def test_report_names_the_mode_and_the_options():
     assert ", unchecked;" in bench.format_report(fake_rows(), DEVICE, bench.Config())
     assert ", checked mode;" in bench.format_report(fake_rows(), DEVICE, bench.Config(checked=True))
@@ -527,7 +600,7 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
     monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
     monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
     monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
-    monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling:
+    monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling, limits=None:
                         peer_runs.append((name, shape.q_len)) or {"status": "absent"})
     for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_sdpa", 1), ("fp8_flashinfer", 1)])]:
         peer_runs.clear()
@@ -712,6 +785,9 @@ def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
     assert [row["in_graph_us"] is not None and row["in_graph_us"] > 0 for row in rows] == [False, False, True,
                                                                                           True, True]
     assert rows[3]["bytes"] == bench.launch_bytes(bench.build_cases(config)[0])
+    for row in rows:  # None where NVML's counters are not available
+        held = row["clock_limited"]
+        assert held is None or (set(held) == {"power cap", "thermal"} and all(0 <= s <= 1 for s in held.values()))
     assert set(rows[3]["peers"]) == set(bench.PEERS)
     for peer in rows[3]["peers"].values():
         assert peer["status"] == "absent" or peer["status"] == "ok", peer["status"]
@@ -733,6 +809,9 @@ def test_gpu_cli_multi_token_decode_one_tiny_shape(tmp_path, capsys):
     assert document["config"]["q_len"] == 4
     decode = document["rows"][3]
     assert (decode["op"], decode["q_len"], decode["samples"], decode["peers"]) == ("decode", 4, 5, {})
-    # Where the sets' own medians differ (a sanitizer's timing), the note says so: none else is due.
-    assert decode["median_us"] > 0 and re.fullmatch(r"(L2)?|(L2, )?sets \d+ %", decode["note"]), decode["note"]
+    # Where the sets' own medians differ (a sanitizer's timing) or a clock limit held, the note
+    # says so: no other note is due.
+    assert decode["median_us"] > 0
+    assert all(re.fullmatch(r"L2|sets \d+ %|(power cap|thermal) \d+ %", part)
+               for part in decode["note"].split(", ") if part), decode["note"]
     assert decode["bytes"] == bench.launch_bytes(bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, 4))

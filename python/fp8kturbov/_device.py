@@ -100,6 +100,11 @@ class Device:
     def name(self) -> str:
         return driver_call(cu.cuDeviceGetName, 256, self.device).split(b"\0", 1)[0].decode()
 
+    @property
+    def pci_bus_id(self) -> str:
+        """The GPU's PCI address as CUDA names it (``0000:3b:00.0``)."""
+        return driver_call(cu.cuDeviceGetPCIBusId, 32, self.device).split(b"\0", 1)[0].decode()
+
     def memory(self) -> tuple[int, int]:
         """``(free, total)`` device memory, bytes."""
         return driver_call(cu.cuMemGetInfo)

@@ -45,7 +45,12 @@ L2 is marked "L2" and its bandwidth may exceed the ceiling (the H200's L2 holds 
 shapes fit). Each set's own median is kept too (``set_medians_us``): where they lie more than 5 %
 apart the row is marked "sets N %", since its median then is one set's time rather than the
 others' and moves between runs with the sets (memory placement, say); where a row moves between
-runs although its sets agree, the cause lies elsewhere.
+runs although its sets agree, the cause lies elsewhere. One such cause is the GPU's power limit
+(or its temperature) holding its clocks down, which slows an issue-bound kernel: NVML's counters
+of that time (`fp8kturbov._clocks`) are read around each row's timing and each peer's, and kept
+as ``clock_limited`` (the share of the measuring time per limit); a row where a limit held the
+clocks for more than 1 % of it is marked "power cap N %" or "thermal N %". Where NVML is not
+available the report says so and nothing is marked.
 
 Units
 -----
@@ -56,6 +61,7 @@ Sizes are bytes unless named ``*_elems``; times are microseconds (µs); bandwidt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -66,6 +72,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -76,6 +83,7 @@ from . import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode
                reshape_and_cache, version)
 from . import _bench_kernels
 from ._bench_kernels import READ_ALIGNMENT
+from ._clocks import ClockLimits
 from ._device import BenchError, Device, cu, driver_call, first_line
 from ._lib import ROTATION_HEAD_DIMS
 from .arrays import MAX_Q_LEN
@@ -389,6 +397,31 @@ class Timing:
 # one set's time, and moves between runs with the sets.
 SET_SPREAD_NOTE = 0.05
 
+# A row is marked where a limit held the GPU's clocks down for more than this share of its
+# measuring time ("power cap N %", "thermal N %"): an issue-bound kernel runs slower for it.
+CLOCK_LIMIT_NOTE = 0.01
+
+
+@contextlib.contextmanager
+def clock_limits_held(limits: ClockLimits | None,
+                      clock_ns: Callable[[], int] = time.perf_counter_ns) -> Iterator[dict[str, float]]:
+    """Yields a dict that, once the block has run, holds per limit ("power cap", "thermal") the
+    share (0 to 1) of the block's wall time (by ``clock_ns``) during which that limit held the
+    GPU's clocks down. It stays empty where ``limits`` is None or NVML did not answer."""
+    shares: dict[str, float] = {}
+    before = limits.held_ns() if limits is not None else None
+    start = clock_ns()
+    yield shares
+    after = limits.held_ns() if limits is not None and before is not None else None
+    if before is not None and after is not None:
+        wall_ns = max(clock_ns() - start, 1)
+        shares.update({name: min(1.0, (after[name] - before[name]) / wall_ns) for name in after})
+
+
+def clock_limit_note(shares: dict[str, float]) -> str:
+    """The note of the limits that held the clocks for more than `CLOCK_LIMIT_NOTE` of the time."""
+    return ", ".join(f"{name} {100 * share:.0f} %" for name, share in shares.items() if share > CLOCK_LIMIT_NOTE)
+
 
 def measured(nbytes: int, timing: Timing, ceiling_gbps: float) -> dict[str, Any]:
     """The numbers of ``timing`` for a launch moving ``nbytes``: times (µs), GB/s, % of ceiling."""
@@ -421,6 +454,7 @@ class Result:
     pct_of_ceiling: float | None = None
     floor_us: float | None = None
     in_graph_us: float | None = None  # per launch, GRAPH_CHAIN of them in one graph (median)
+    clock_limited: dict[str, float] | None = None  # see `clock_limits_held`; None: not known
     note: str = ""
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -435,6 +469,12 @@ class Result:
         for name, value in measured(self.bytes, timing, ceiling_gbps).items():
             setattr(self, name, value)
         self.floor_us = floor_us(self.bytes, ceiling_gbps)
+
+    def mark_clock_limits(self, shares: dict[str, float]) -> None:
+        """Keep the shares of `clock_limits_held` (None where not known) and add the note of those
+        above `CLOCK_LIMIT_NOTE` to the row's."""
+        self.clock_limited = shares or None
+        self.note = ", ".join(filter(None, [self.note, clock_limit_note(shares)]))
 
 
 # ---- Timing (the device access through cuda.bindings is `fp8kturbov._device`) --------------------
@@ -837,13 +877,15 @@ PEERS: dict[str, Callable[[Device, Shape, Config], tuple[int, Timing]]] = {
 }
 
 
-def run_peer(name: str, dev: Device, shape: Shape, config: Config,
-             ceiling_gbps: float) -> dict[str, Any]:
-    """One peer's numbers for ``shape`` (see `measured`) with ``status`` "ok"; else only a status:
-    "absent", "skipped: <why>" or "error: <first line of the error>"."""
+def run_peer(name: str, dev: Device, shape: Shape, config: Config, ceiling_gbps: float,
+             limits: ClockLimits | None = None) -> dict[str, Any]:
+    """One peer's numbers for ``shape`` (see `measured`, and ``clock_limited`` as a row's) with
+    ``status`` "ok"; else only a status: "absent", "skipped: <why>" or "error: <first line of the
+    error>"."""
     try:
-        nbytes, timing = PEERS[name](dev, shape, config)
-        return {"status": "ok", **measured(nbytes, timing, ceiling_gbps)}
+        with clock_limits_held(limits) as held:
+            nbytes, timing = PEERS[name](dev, shape, config)
+        return {"status": "ok", **measured(nbytes, timing, ceiling_gbps), "clock_limited": held or None}
     except PeerUnavailable as why:
         return {"status": str(why)}
     except BenchError:
@@ -879,9 +921,10 @@ def progress(items: Sequence[Any], label: Callable[[Any], str], enabled: bool = 
             yield item
 
 
-def measure_ceiling(dev: Device, config: Config) -> tuple[Result, Result]:
+def measure_ceiling(dev: Device, config: Config, limits: ClockLimits | None = None) -> tuple[Result, Result]:
     """The ceiling, a read of ``config.ceiling_bytes`` by the bench's read kernel (bytes read), and
-    beside it a DtoD copy of as many bytes (bytes read plus bytes written): ``(read, copy)``."""
+    beside it a DtoD copy of as many bytes (bytes read plus bytes written): ``(read, copy)``, each
+    marked where a clock limit held (``limits``; see `clock_limits_held`)."""
     n = config.ceiling_bytes
     read = Result(op="read", shape=f"{n / GiB:g} GiB read", bytes=n)
     copy = Result(op="copy", shape=f"{n / GiB:g} GiB DtoD", bytes=2 * n)
@@ -894,40 +937,50 @@ def measure_ceiling(dev: Device, config: Config) -> tuple[Result, Result]:
         dev.memset(src, 1, n)  # touch both buffers before timing
         dev.memset(dst, 0, n)
         read_once = functools.partial(_bench_kernels.read, int(dev.stream), src, n, sink, ctas)
-        timing = time_launches(dev, [read_once], COPY_ITERS, COPY_WARMUP)
+        with clock_limits_held(limits) as held:
+            timing = time_launches(dev, [read_once], COPY_ITERS, COPY_WARMUP)
         read.record(timing, gbps(read.bytes, timing.median_us))
-        timing = time_launches(dev, [functools.partial(dev.copy, dst, src, n)], COPY_ITERS, COPY_WARMUP)
+        read.mark_clock_limits(held)
+        with clock_limits_held(limits) as held:
+            timing = time_launches(dev, [functools.partial(dev.copy, dst, src, n)], COPY_ITERS, COPY_WARMUP)
         copy.record(timing, read.gbps)
+        copy.mark_clock_limits(held)
     return read, copy
 
 
 def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[], None]],
-                    config: Config, ceiling_gbps: float) -> None:
+                    config: Config, ceiling_gbps: float, limits: ClockLimits | None = None) -> None:
     """Time ``enqueues`` (one per input set) one launch per graph replay, the row's times, and
     `GRAPH_CHAIN` launches per graph, its ``in_graph_us``. Marks a row whose sets' medians are
-    more than `SET_SPREAD_NOTE` apart ("sets N %")."""
-    timing = time_graphs(dev, enqueues, config.iters, config.warmup)
+    more than `SET_SPREAD_NOTE` apart ("sets N %"), and one during whose timing a clock limit held
+    (``limits``; `Result.mark_clock_limits`)."""
+    with clock_limits_held(limits) as held:
+        timing = time_graphs(dev, enqueues, config.iters, config.warmup)
+        chain = time_graph_chain(dev, enqueues, max(1, config.iters // 4), min(config.warmup, 2))
     result.record(timing, ceiling_gbps)
     if timing.set_spread() > SET_SPREAD_NOTE:
         result.note = f"sets {100 * timing.set_spread():.0f} %"
-    chain = time_graph_chain(dev, enqueues, max(1, config.iters // 4), min(config.warmup, 2))
     result.in_graph_us = chain.median_us
+    result.mark_clock_limits(held)
 
 
-def measure_launch_floor(dev: Device, config: Config, ceiling_gbps: float) -> Result:
+def measure_launch_floor(dev: Device, config: Config, ceiling_gbps: float,
+                         limits: ClockLimits | None = None) -> Result:
     """The launch floor: one empty kernel, timed like the library's launches."""
     result = Result(op="launch", shape="empty-kernel graph", bytes=0)
     with dev.scope():
         record_launches(result, dev, [functools.partial(_bench_kernels.empty, int(dev.stream))], config,
-                        ceiling_gbps)
+                        ceiling_gbps, limits)
     return result
 
 
 class _Runner:
-    """State shared by the cases of one run: the ceiling, encoded chunks, peer results."""
+    """State shared by the cases of one run: the ceiling, the clock-limit counters (None: not
+    available), encoded chunks, peer results."""
 
-    def __init__(self, dev: Device, config: Config, ceiling_gbps: float) -> None:
-        self.dev, self.config, self.ceiling = dev, config, ceiling_gbps
+    def __init__(self, dev: Device, config: Config, ceiling_gbps: float,
+                 limits: ClockLimits | None = None) -> None:
+        self.dev, self.config, self.ceiling, self.limits = dev, config, ceiling_gbps, limits
         self.rng = np.random.default_rng(config.seed)
         self.l2_bytes = dev.attribute("L2_CACHE_SIZE")
         self._chunks: dict[Shape, Chunk] = {}
@@ -950,7 +1003,7 @@ class _Runner:
                 enqueues = decode_enqueues(self.dev, shape, self.config, self.chunk(shape), self.rng)
             else:
                 enqueues = write_enqueues(self.dev, shape, self.config, self.rng)
-            record_launches(result, self.dev, enqueues, self.config, self.ceiling)
+            record_launches(result, self.dev, enqueues, self.config, self.ceiling, self.limits)
         if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
             result.note = ", ".join(filter(None, ["L2", result.note]))
         if shape.op == "decode" and self.config.peers and shape.q_len == 1:
@@ -960,7 +1013,7 @@ class _Runner:
     def peers(self, shape: Shape) -> dict[str, dict[str, Any]]:
         key = dataclasses.replace(shape, bits=0)  # peers do not depend on the V bits
         if key not in self._peers:
-            self._peers[key] = {name: run_peer(name, self.dev, shape, self.config, self.ceiling)
+            self._peers[key] = {name: run_peer(name, self.dev, shape, self.config, self.ceiling, self.limits)
                                 for name in PEERS}
         return self._peers[key]
 
@@ -976,12 +1029,16 @@ def run_benchmarks(config: Config, *, device: Device | None = None,
     """
     cases = build_cases(config)
     dev = device if device is not None else Device()
+    limits = None
     try:
-        read, copy = measure_ceiling(dev, config)
-        rows = [read, copy, measure_launch_floor(dev, config, read.gbps)]
-        runner = _Runner(dev, config, read.gbps)
+        limits = ClockLimits.open(dev.pci_bus_id)
+        read, copy = measure_ceiling(dev, config, limits)
+        rows = [read, copy, measure_launch_floor(dev, config, read.gbps, limits)]
+        runner = _Runner(dev, config, read.gbps, limits)
         rows += [runner.case(shape) for shape in progress(cases, Shape.describe, show_progress)]
     finally:
+        if limits is not None:
+            limits.close()
         if device is None:
             dev.close()
     return [dataclasses.asdict(row) for row in rows]
@@ -1111,7 +1168,10 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
                  f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
                  f"{'checked mode' if config.checked else 'unchecked'}{_options_text(config)}; "
                  f"median of {config.iters} graph replays rotating {config.sets} input sets; "
-                 "L2: all sets fit in L2 together; sets N %: the sets' own medians N % apart")
+                 "L2: all sets fit in L2 together; sets N %: the sets' own medians N % apart; "
+                 "power cap / thermal N %: that limit held the GPU's clocks down for N % of the row's timing")
+    if "read" in by_op and by_op["read"].get("clock_limited") is None:
+        lines.append("clock limits not known: NVML's counters were not available")
     if not device.get("timing_gate", True):
         lines.append("timing gate unsupported by this driver: short launches include host time")
     lines.append(context_line(device))
@@ -1179,11 +1239,17 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "floor_us": float|null  bytes / ceiling, µs,
                    "in_graph_us": float|null  per launch, median over replays of one graph of
                                            GRAPH_CHAIN (32) launches back to back, µs,
-                   "note": ""|"L2"|"sets <N> %"|"L2, sets <N> %"|"skipped: <why>",
+                   "clock_limited": {"power cap": float, "thermal": float}|null  the share
+                                           (0 to 1) of the row's timing (both kinds of
+                                           launch, host time included) during which that limit
+                                           held the GPU's clocks down, from NVML's counters
+                                           (null: not available, or skipped),
+                   "note": "" or, joined by ", ": "L2", "sets <N> %", "power cap <N> %",
+                           "thermal <N> %" (a limit's share above 1 %); or "skipped: <why>",
                    "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
                              "median_us", "min_us", "samples", "set_medians_us", "gbps",
-                             "pct_of_ceiling"}}}]}
+                             "pct_of_ceiling", "clock_limited"}}}]}
 
     The first row is the ceiling (``op == "read"``), the second the copy, the third the launch
     floor.
