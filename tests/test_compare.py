@@ -150,6 +150,42 @@ def round_files(tmp_path):
     return pairs
 
 
+def with_power_cap(row: dict, share: float) -> dict:
+    """``row`` with clock-limit counters: ``share`` of its timing under the power cap."""
+    return {**row, "clock_limited": {"power cap": share, "thermal": 0.0}}
+
+
+def test_power_cap_shares_are_shown_where_the_files_have_them(files, tmp_path):
+    baseline, candidate = baseline_rows(), candidate_rows()
+    baseline[3], candidate[3] = with_power_cap(baseline[3], 0.84), with_power_cap(candidate[3], 0.0)
+    paths = tmp_path / "capped-main.json", tmp_path / "capped-branch.json"
+    for path, rows in zip(paths, (baseline, candidate)):
+        bench.write_json(path, rows, DEVICE, bench.Config())
+    comparison = compare.compare_files(*paths)
+    decode, write = comparison.rows[3], comparison.rows[5]
+    assert (decode.baseline_power_cap, decode.candidate_power_cap) == (0.84, 0.0)
+    assert (write.baseline_power_cap, write.candidate_power_cap) == (None, None)
+    lines = compare.format_comparison(comparison).splitlines()
+    assert lines[3].endswith("in-graph change %  power cap %")
+    assert lines[5].split()[-1] == "84/0"  # the decode
+    assert lines[7].split()[-1] == "-/-"   # the write, without counters in either file
+    # Files without counters (older ones, or NVML absent) have no such column.
+    assert compare.POWER_CAP_COLUMN not in compare.format_comparison(compare.compare_files(*files))
+
+
+def test_power_cap_shares_of_rounds_are_their_medians(tmp_path):
+    pairs = []
+    for index, share in enumerate((1.0, 0.25, 0.5)):
+        read, copy, launch, decode, skipped, write = fake_rows()
+        paths = tmp_path / f"main-{index}.json", tmp_path / f"branch-{index}.json"
+        for path, decode_share in zip(paths, (share, 0.0)):
+            bench.write_json(path, [read, copy, launch, with_power_cap(decode, decode_share), write], DEVICE,
+                             bench.Config())
+        pairs.append(paths)
+    decode = next(r for r in compare.compare_runs(pairs).rows if r.op == "decode")
+    assert (decode.baseline_power_cap, decode.candidate_power_cap) == (0.5, 0.0)
+
+
 def test_rounds_combine_into_medians_and_each_rounds_change(round_files):
     comparison = compare.compare_runs(round_files)
     assert comparison.rounds == 3

@@ -15,7 +15,10 @@ are compared as the files' configs, a difference being a warning, as is a differ
 Runs of two builds vary by a few per cent from one run to the next, so A/B comparisons repeat
 them in interleaved rounds (`ci/bench-compare.sh`). `compare_runs` takes every round's pair of
 files: each time is then the median over the rounds that measured it, the change is that of the
-medians, and each round's own change is listed beside it.
+medians, and each round's own change is listed beside it. One cause of such variation is the GPU's
+power limit holding its clocks down: where the files have the bench's clock-limit counters
+(``clock_limited``), each side's share of the row's timing under the power cap is shown too
+(`POWER_CAP_COLUMN`), so that a change measured under different caps can be told apart.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ DEVICE_FIELDS = ("name", "timing_gate")
 TABLE_COLUMNS = ("op", "bits", "shape", "D", "baseline us", "candidate us", "change %", "in-graph change %")
 #: The column added where several rounds are compared: each round's change, %.
 ROUNDS_COLUMN = "change % per round"
+#: The column added where either file has clock-limit counters: the share of the row's timing
+#: under the power cap, %, baseline/candidate ("-" for a side without counters).
+POWER_CAP_COLUMN = "power cap %"
 
 
 def parse_percent(text: str) -> float:
@@ -72,9 +78,10 @@ class RowComparison:
     Times are the bench's ``median_us``, µs per launch; None where the file lacks the row
     (``only_in`` names the file that has it) or skipped it (``note`` says why). The in-graph times
     are its ``in_graph_us``, µs per launch inside a graph; None also for rows without one (the
-    ceiling's read and copy). Over several rounds (`combine_rounds`) each time is the median over
-    the rounds that measured it and ``round_changes_pct`` holds each round's change of time, %
-    (None in a round without one); it is empty for one round.
+    ceiling's read and copy). The power-cap shares are the rows' ``clock_limited["power cap"]``
+    (0 to 1; None without counters). Over several rounds (`combine_rounds`) each time and share is
+    the median over the rounds that measured it and ``round_changes_pct`` holds each round's change
+    of time, % (None in a round without one); it is empty for one round.
     """
 
     op: str
@@ -87,6 +94,8 @@ class RowComparison:
     note: str = ""
     baseline_in_graph_us: float | None = None
     candidate_in_graph_us: float | None = None
+    baseline_power_cap: float | None = None
+    candidate_power_cap: float | None = None
     round_changes_pct: tuple[float | None, ...] = ()
 
     @property
@@ -160,6 +169,11 @@ def _in_graph_us(row: dict[str, Any] | None) -> float | None:
     return None if row is None else row.get("in_graph_us")  # absent from files older than the in-graph times
 
 
+def _power_cap(row: dict[str, Any] | None) -> float | None:
+    held = None if row is None else row.get("clock_limited")  # absent from files older than the counters
+    return None if held is None else held["power cap"]
+
+
 def _record(baseline: dict[str, Any] | None, candidate: dict[str, Any] | None) -> RowComparison:
     """The record of a matched pair of rows, or of one row (the other None)."""
     row = baseline if baseline is not None else candidate
@@ -173,7 +187,8 @@ def _record(baseline: dict[str, Any] | None, candidate: dict[str, Any] | None) -
         candidate_us=_median_us(candidate),
         only_in="candidate" if baseline is None else "baseline" if candidate is None else "",
         note="; ".join(skipped), baseline_in_graph_us=_in_graph_us(baseline),
-        candidate_in_graph_us=_in_graph_us(candidate))
+        candidate_in_graph_us=_in_graph_us(candidate), baseline_power_cap=_power_cap(baseline),
+        candidate_power_cap=_power_cap(candidate))
 
 
 def compare_rows(baseline_rows: Iterable[dict[str, Any]],
@@ -204,6 +219,8 @@ def _merge_rounds(records: Sequence[RowComparison | None]) -> RowComparison:
         candidate_us=_median_of(r.candidate_us for r in present),
         baseline_in_graph_us=_median_of(r.baseline_in_graph_us for r in present),
         candidate_in_graph_us=_median_of(r.candidate_in_graph_us for r in present),
+        baseline_power_cap=_median_of(r.baseline_power_cap for r in present),
+        candidate_power_cap=_median_of(r.candidate_power_cap for r in present),
         only_in=sides.pop() if len(sides) == 1 else "",  # of one file only in every round
         note="; ".join(dict.fromkeys(r.note for r in present if r.note)),
         round_changes_pct=tuple(None if r is None else r.change_pct for r in records))
@@ -275,12 +292,23 @@ def _signed(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1f}"
 
 
-def table_rows(records: Iterable[RowComparison]) -> list[tuple[str, ...]]:
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}"
+
+
+def has_power_caps(records: Iterable[RowComparison]) -> bool:
+    """Whether either file had clock-limit counters for any of ``records``."""
+    return any(r.baseline_power_cap is not None or r.candidate_power_cap is not None for r in records)
+
+
+def table_rows(records: Iterable[RowComparison], power_caps: bool = False) -> list[tuple[str, ...]]:
     """The cells of the decode and write rows found in both files, in `TABLE_COLUMNS` order, then
-    (over several rounds) `ROUNDS_COLUMN`: the rounds' changes, ``/``-separated."""
+    (``power_caps``) `POWER_CAP_COLUMN`, then (over several rounds) `ROUNDS_COLUMN`: the rounds'
+    changes, ``/``-separated."""
     return [(r.op, str(r.bits), r.shape, str(r.head_dim), bench.format_number(r.baseline_us, 2),
              bench.format_number(r.candidate_us, 2), _signed(r.change_pct),
              _signed(r.in_graph_change_pct))
+            + ((f"{_share(r.baseline_power_cap)}/{_share(r.candidate_power_cap)}",) if power_caps else ())
             + (("/".join(map(_signed, r.round_changes_pct)),) if r.round_changes_pct else ())
             for r in records if r.is_case and not r.only_in]
 
@@ -307,12 +335,14 @@ def format_comparison(comparison: BenchComparison) -> str:
     """The files, the warnings, the table of the decode and write rows of both files, the rows
     without a change (of one file only, or skipped), the ceiling and floor, and `summary_line`."""
     records = comparison.rows
-    columns = TABLE_COLUMNS + ((ROUNDS_COLUMN,) if comparison.rounds > 1 else ())
+    power_caps = has_power_caps(records)
+    columns = TABLE_COLUMNS + ((POWER_CAP_COLUMN,) if power_caps else ()) + \
+        ((ROUNDS_COLUMN,) if comparison.rounds > 1 else ())
     lines = [f"baseline:  {comparison.baseline}", f"candidate: {comparison.candidate}"]
     if comparison.rounds > 1:
         lines.append(f"{comparison.rounds} rounds: each time is the median over the rounds, each "
                      "change that of the medians")
-    lines += [*comparison.warnings, "", bench.format_table(table_rows(records), columns), ""]
+    lines += [*comparison.warnings, "", bench.format_table(table_rows(records, power_caps), columns), ""]
     lines += [f"{r.describe()}: only in {r.only_in}" for r in records if r.only_in]
     lines += [f"{r.describe()}: {r.note}" for r in records if r.note]
     machine = [r for r in records if not r.is_case and not r.only_in]
