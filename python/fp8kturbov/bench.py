@@ -412,8 +412,10 @@ def clock_limits_held(limits: ClockLimits | None,
     before = limits.held_ns() if limits is not None else None
     start = clock_ns()
     yield shares
-    after = limits.held_ns() if limits is not None and before is not None else None
-    if before is not None and after is not None:
+    if limits is None or before is None:
+        return
+    after = limits.held_ns()
+    if after is not None:
         wall_ns = max(clock_ns() - start, 1)
         shares.update({name: min(1.0, (after[name] - before[name]) / wall_ns) for name in after})
 
