@@ -301,6 +301,25 @@ __device__ __forceinline__ uint32_t pair_offset(uint32_t pairs, int f) {
   return (shift >= 0 ? pairs >> shift : pairs << -shift) & kMask;
 }
 
+// The token (stage row) of mma row m of the scores, which is also the reduction index of P·V: with
+// 128-byte K rows (SWIZZLED), rows 2p and 2p + 1 of each 8 hold tokens p and p + 4, whose swizzled
+// chunks lie in opposite halves of the banks (a quarter-warp's fragment reads cover rows 2p and
+// 2p + 1). Any order of the tokens gives the same sums. A thread's P·V rows 2t, 2t+1, 2t+8, 2t+9
+// are token(2t) plus constants, so its four code and scale reads share one address register.
+template <bool SWIZZLED>
+struct MmaRows {
+  __host__ __device__ static constexpr int token(int m) { return SWIZZLED ? (m & 8) | ((m & 7) >> 1) | ((m & 1) << 2) : m; }
+  // mma row 2t + (j & 1) + 8 (j >> 1), for j = 0..3, is token v_row_offset(j) rows after token(2t).
+  __host__ __device__ static constexpr int v_row_offset(int j) { return token((j & 1) + 8 * (j >> 1)) - token(0); }
+  static constexpr bool v_rows_affine() {
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 4; ++j)
+        if (token(2 * t + (j & 1) + 8 * (j >> 1)) != token(2 * t) + v_row_offset(j)) return false;
+    return true;
+  }
+  static_assert(v_rows_affine(), "a thread's P·V rows are token(2t) plus constants");
+};
+
 // Position -> (block, offset) by the runtime block size with a multiply and a shift
 // (round-up reciprocal, exact for positions < 2^31; the host computes multiplier and shift).
 __device__ __forceinline__ void split_position(const DecodeArgs& a, uint32_t pos, uint32_t& block,
@@ -846,14 +865,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
-    // The token (stage row) of mma row m of the scores, which is also the reduction index of P·V:
-    // with 128-byte K rows, rows 2p and 2p + 1 of each 8 hold tokens p and p + 4, whose swizzled
-    // chunks lie in opposite halves of the banks (a quarter-warp's fragment reads cover rows 2p and
-    // 2p + 1). Any order of the tokens gives the same sums.
-    auto mma_row_token = [](int m) { return S::kKRowBytes == 128 ? (m & 8) | ((m & 7) >> 1) | ((m & 1) << 2) : m; };
-    const int k_row_token[2] = {mma_row_token(g), mma_row_token(g + 8)};
-    const int v_row_token[4] = {mma_row_token(2 * t), mma_row_token(2 * t + 1), mma_row_token(2 * t + 8),
-                                mma_row_token(2 * t + 9)};
+    using Rows = MmaRows<S::kKRowBytes == 128>;
+    const int k_row_token[2] = {Rows::token(g), Rows::token(g + 8)};
+    // The stage rows of this thread's P·V tokens: v_row_first + Rows::v_row_offset(j).
+    const int v_row_first = Rows::token(2 * t);
     // (slot + n) % kDecodeStages for 0 <= n < kDecodeStages.
     auto slot_after = [](int slot, int n) { return slot + n >= kDecodeStages ? slot + n - kDecodeStages : slot + n; };
     int slot = 0;                 // k % kDecodeStages: tile k's stage
@@ -962,15 +977,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // Weights relative to the reference maxima; a masked row (-inf) gets 2^-inf = 0, also while a
       // column has seen nothing (reference -inf, taken as 0).
       float p[4];
-      bool all_small = true;
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const float reference = run_max[c] == -INFINITY ? 0.0f : run_max[c];
         p[c] = exp2_fast(masked_s[c] - reference);
         p[2 + c] = exp2_fast(masked_s[2 + c] - reference);
-        // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote. The reference is a
-        // maximum over positions already seen, so a skipped row qualifies under the per-row rule.
-        if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
       }
       const uint32_t p_lo = half2_bits(p[0], p[1]);  // mma row g, heads 2t, 2t+1
       const uint32_t p_hi = half2_bits(p[2], p[3]);  // mma row g+8
@@ -981,18 +992,28 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         run_denom[0] += __low2float(lo) + __low2float(hi);
         run_denom[1] += __high2float(lo) + __high2float(hi);
       }
-      const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
+      // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote. The reference is a
+      // maximum over positions already seen, so a skipped row qualifies under the per-row rule. The
+      // vote's comparisons sit behind the (kernel-uniform) threshold test, off the default path.
+      bool skip = false;
+      if (a.sparse_v_threshold > 0.0f) {
+        bool all_small = true;
+  #pragma unroll
+        for (int c = 0; c < 2; ++c)
+          if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
+        skip = __all_sync(0xffffffffu, all_small);
+      }
       if (!skip) {
         // P^T as the B operand: mma rows (2t, 2t+1) and (2t+8, 2t+9) of head g.
         const uint32_t pb0 = transpose_8x8(p_lo);
         const uint32_t pb1 = transpose_8x8(p_hi);
-        // This thread's codes and scales of the tokens of mma rows 2t, 2t+1, 2t+8, 2t+9 (v_row_token);
+        // This thread's codes and scales of the tokens of mma rows 2t, 2t+1, 2t+8, 2t+9;
         // scales as fp16 pairs of rows (2t, 2t+1) and (2t+8, 2t+9).
         uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
         uint32_t scale_bytes[4];
   #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int row = v_row_token[j];
+          const int row = v_row_first + Rows::v_row_offset(j);
           read_code_bytes<S::kCodeBytes>(stage.codes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
           scale_bytes[j] = stage.scales[row * S::kScaleRowPitch + g * S::kThreadDims / kGroupElems];
         }
