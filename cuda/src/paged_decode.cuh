@@ -418,7 +418,8 @@ constexpr int kDecodeStages = 3;
 
 // Dynamic shared memory of one CTA (bytes): the ring of every warp's stages (reused for the
 // per-stream outputs once the loop is done), then the fp16 query chunk, then the warps' page-id
-// rings. The ring comes first, at the start of the dynamic shared memory (aligned to 128 bytes,
+// rings, then the level-pair table (there, its lookups address it from the ring's base register
+// plus a constant; as a static array its address was rebuilt in every tile). The ring comes first, at the start of the dynamic shared memory (aligned to 128 bytes,
 // where the copy engine writes; the toolchain places it at 1 KB in practice): it holds all K
 // sections first, each a multiple of 1024 bytes so that the 128-byte swizzle (a function of
 // address bits 4-9) has the same phase in each, then the code sections, then the scales.
@@ -435,8 +436,9 @@ struct DecodeSmem {
   static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
   static constexpr int kPagesOffset = kQOffset + kQBytes;
   static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
-  static constexpr int kBytes = kPagesOffset + kPagesBytes;
-  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0 &&
+  static constexpr int kLevelPairsOffset = kPagesOffset + kPagesBytes;
+  static constexpr int kBytes = kLevelPairsOffset + LevelPairTable<BITS, HEAD_DIM>::kWords * 4;
+  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && kLevelPairsOffset % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0 &&
                     (!S::kScalesByTensorCopy || S::kStageScaleBytes % 128 == 0),
                 "the tensor copies' destinations stay 128-byte aligned, the K sections in one swizzle phase");
 };
@@ -466,7 +468,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]), in
   // LevelPairTable's copies.
   using LevelPairs = LevelPairTable<BITS, HEAD_DIM>;
-  __shared__ __align__(16) uint32_t level_pair_s[LevelPairs::kWords];
+  uint32_t* const level_pair_s = reinterpret_cast<uint32_t*>(smem + L::kLevelPairsOffset);
   __shared__ float q_absmax_s[kDecodeWarps];
   // Checked mode, where a page is out of range: per warp and stage, the rows (bit r) of the tile
   // whose page is out of range.
