@@ -827,13 +827,18 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         column_begin[c] = window_start(column_stop[c]);
       }
     }
-    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t). run_max is
-    // the reference maximum that the weights and sums are relative to: the maximum of the scores
-    // seen when it last moved, which it does only when a score exceeds it by more than
+    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t). The
+    // reference maximum that the weights and sums are relative to is the maximum of the scores seen
+    // when it last moved, which it does only when a score exceeds it by more than
     // kRescaleSlackLog2 (lazy rescaling). Weights stay <= 2^kRescaleSlackLog2, well inside fp16,
     // and a tile whose scores stay under the reference skips the max reduction and the rescale.
+    // It is held as the two values that each tile reads, set only when it moves: run_reference (0
+    // while the column has seen nothing, so that a masked row's weight is 2^-inf = 0) and
+    // run_limit (reference + slack; -inf while the column has seen nothing).
     constexpr float kRescaleSlackLog2 = 8.0f;
-    float run_max[2] = {-INFINITY, -INFINITY};
+    float run_reference[2] = {0.0f, 0.0f};
+    float run_limit[2] = {-INFINITY, -INFINITY};
+    auto reference_max = [&](int c) { return run_limit[c] == -INFINITY ? -INFINITY : run_reference[c]; };
     float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
     float acc[S::kMTiles][4];
   #pragma unroll
@@ -958,7 +963,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // than the slack; then to the columns' running maxima, and the sums are rescaled.
       bool exceeds = false;
   #pragma unroll
-      for (int r = 0; r < 4; ++r) exceeds = exceeds || masked_s[r] > run_max[r % 2] + kRescaleSlackLog2;
+      for (int r = 0; r < 4; ++r) exceeds = exceeds || masked_s[r] > run_limit[r % 2];
       if (__any_sync(0xffffffffu, exceeds)) {
         float alpha[2];
   #pragma unroll
@@ -966,9 +971,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
           float tile_max = fmaxf(masked_s[c], masked_s[2 + c]);
   #pragma unroll
           for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-          const float new_max = fmaxf(run_max[c], tile_max);
-          alpha[c] = new_max == -INFINITY ? 1.0f : exp2_fast(run_max[c] - new_max);
-          run_max[c] = new_max;
+          const float old_max = reference_max(c);
+          const float new_max = fmaxf(old_max, tile_max);
+          alpha[c] = new_max == -INFINITY ? 1.0f : exp2_fast(old_max - new_max);
+          run_reference[c] = new_max == -INFINITY ? 0.0f : new_max;
+          run_limit[c] = new_max + kRescaleSlackLog2;
           run_denom[c] *= alpha[c];
         }
   #pragma unroll
@@ -977,13 +984,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         }
       }
       // Weights relative to the reference maxima; a masked row (-inf) gets 2^-inf = 0, also while a
-      // column has seen nothing (reference -inf, taken as 0).
+      // column has seen nothing.
       float p[4];
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const float reference = run_max[c] == -INFINITY ? 0.0f : run_max[c];
-        p[c] = exp2_fast(masked_s[c] - reference);
-        p[2 + c] = exp2_fast(masked_s[2 + c] - reference);
+        p[c] = exp2_fast(masked_s[c] - run_reference[c]);
+        p[2 + c] = exp2_fast(masked_s[2 + c] - run_reference[c]);
       }
       const uint32_t p_lo = half2_bits(p[0], p[1]);  // mma row g, heads 2t, 2t+1
       const uint32_t p_hi = half2_bits(p[2], p[3]);  // mma row g+8
@@ -1065,7 +1071,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if (slice == 0 && g == 0) {
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        max_s[stream][2 * t + c] = run_max[c];
+        max_s[stream][2 * t + c] = reference_max(c);
         denom_s[stream][2 * t + c] = run_denom[c];
       }
     }
