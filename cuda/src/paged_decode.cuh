@@ -419,10 +419,11 @@ constexpr int kDecodeStages = 3;
 // Dynamic shared memory of one CTA (bytes): the ring of every warp's stages (reused for the
 // per-stream outputs once the loop is done), then the fp16 query chunk, then the warps' page-id
 // rings, then the level-pair table (there, its lookups address it from the ring's base register
-// plus a constant; as a static array its address was rebuilt in every tile). The ring comes first, at the start of the dynamic shared memory (aligned to 128 bytes,
-// where the copy engine writes; the toolchain places it at 1 KB in practice): it holds all K
-// sections first, each a multiple of 1024 bytes so that the 128-byte swizzle (a function of
-// address bits 4-9) has the same phase in each, then the code sections, then the scales.
+// plus a constant; as a static array its address was rebuilt in every tile). The ring comes
+// first, at the start of the dynamic shared memory (aligned to 128 bytes, where the copy engine
+// writes; the toolchain places it at 1 KB in practice): it holds all K sections first, each a
+// multiple of 1024 bytes so that the 128-byte swizzle (a function of address bits 4-9) has the
+// same phase in each, then the code sections, then the scales.
 template <int BITS, int HEAD_DIM>
 struct DecodeSmem {
   using S = DecodeShape<BITS, HEAD_DIM>;
