@@ -301,6 +301,25 @@ __device__ __forceinline__ uint32_t pair_offset(uint32_t pairs, int f) {
   return (shift >= 0 ? pairs >> shift : pairs << -shift) & kMask;
 }
 
+// The token (stage row) of mma row m of the scores, which is also the reduction index of P·V: with
+// 128-byte K rows (SWIZZLED), rows 2p and 2p + 1 of each 8 hold tokens p and p + 4, whose swizzled
+// chunks lie in opposite halves of the banks (a quarter-warp's fragment reads cover rows 2p and
+// 2p + 1). Any order of the tokens gives the same sums. A thread's P·V rows 2t, 2t+1, 2t+8, 2t+9
+// are token(2t) plus constants, so its four code and scale reads share one address register.
+template <bool SWIZZLED>
+struct MmaRows {
+  __host__ __device__ static constexpr int token(int m) { return SWIZZLED ? (m & 8) | ((m & 7) >> 1) | ((m & 1) << 2) : m; }
+  // mma row 2t + (j & 1) + 8 (j >> 1), for j = 0..3, is token v_row_offset(j) rows after token(2t).
+  __host__ __device__ static constexpr int v_row_offset(int j) { return token((j & 1) + 8 * (j >> 1)) - token(0); }
+  static constexpr bool v_rows_affine() {
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 4; ++j)
+        if (token(2 * t + (j & 1) + 8 * (j >> 1)) != token(2 * t) + v_row_offset(j)) return false;
+    return true;
+  }
+  static_assert(v_rows_affine(), "a thread's P·V rows are token(2t) plus constants");
+};
+
 // Position -> (block, offset) by the runtime block size with a multiply and a shift
 // (round-up reciprocal, exact for positions < 2^31; the host computes multiplier and shift).
 __device__ __forceinline__ void split_position(const DecodeArgs& a, uint32_t pos, uint32_t& block,
@@ -399,10 +418,12 @@ constexpr int kDecodeStages = 3;
 
 // Dynamic shared memory of one CTA (bytes): the ring of every warp's stages (reused for the
 // per-stream outputs once the loop is done), then the fp16 query chunk, then the warps' page-id
-// rings. The ring comes first, at the start of the dynamic shared memory (aligned to 128 bytes,
-// where the copy engine writes; the toolchain places it at 1 KB in practice): it holds all K
-// sections first, each a multiple of 1024 bytes so that the 128-byte swizzle (a function of
-// address bits 4-9) has the same phase in each, then the code sections, then the scales.
+// rings, then the level-pair table (there, its lookups address it from the ring's base register
+// plus a constant; as a static array its address was rebuilt in every tile). The ring comes
+// first, at the start of the dynamic shared memory (aligned to 128 bytes, where the copy engine
+// writes; the toolchain places it at 1 KB in practice): it holds all K sections first, each a
+// multiple of 1024 bytes so that the 128-byte swizzle (a function of address bits 4-9) has the
+// same phase in each, then the code sections, then the scales.
 template <int BITS, int HEAD_DIM>
 struct DecodeSmem {
   using S = DecodeShape<BITS, HEAD_DIM>;
@@ -416,8 +437,9 @@ struct DecodeSmem {
   static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
   static constexpr int kPagesOffset = kQOffset + kQBytes;
   static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
-  static constexpr int kBytes = kPagesOffset + kPagesBytes;
-  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0 &&
+  static constexpr int kLevelPairsOffset = kPagesOffset + kPagesBytes;
+  static constexpr int kBytes = kLevelPairsOffset + LevelPairTable<BITS, HEAD_DIM>::kWords * 4;
+  static_assert(kQOffset % 16 == 0 && kQBytes % 16 == 0 && kLevelPairsOffset % 16 == 0 && S::kStageKBytes % 1024 == 0 && S::kStageCodeBytes % 128 == 0 &&
                     (!S::kScalesByTensorCopy || S::kStageScaleBytes % 128 == 0),
                 "the tensor copies' destinations stay 128-byte aligned, the K sections in one swizzle phase");
 };
@@ -447,7 +469,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // The fp16 levels of every pair of codes (a | b << BITS -> low half level[a], high level[b]), in
   // LevelPairTable's copies.
   using LevelPairs = LevelPairTable<BITS, HEAD_DIM>;
-  __shared__ __align__(16) uint32_t level_pair_s[LevelPairs::kWords];
+  uint32_t* const level_pair_s = reinterpret_cast<uint32_t*>(smem + L::kLevelPairsOffset);
   __shared__ float q_absmax_s[kDecodeWarps];
   // Checked mode, where a page is out of range: per warp and stage, the rows (bit r) of the tile
   // whose page is out of range.
@@ -806,13 +828,18 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         column_begin[c] = window_start(column_stop[c]);
       }
     }
-    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t). run_max is
-    // the reference maximum that the weights and sums are relative to: the maximum of the scores
-    // seen when it last moved, which it does only when a score exceeds it by more than
+    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t). The
+    // reference maximum that the weights and sums are relative to is the maximum of the scores seen
+    // when it last moved, which it does only when a score exceeds it by more than
     // kRescaleSlackLog2 (lazy rescaling). Weights stay <= 2^kRescaleSlackLog2, well inside fp16,
     // and a tile whose scores stay under the reference skips the max reduction and the rescale.
+    // It is held as the two values that each tile reads, set only when it moves: run_reference (0
+    // while the column has seen nothing, so that a masked row's weight is 2^-inf = 0) and
+    // run_limit (reference + slack; -inf while the column has seen nothing).
     constexpr float kRescaleSlackLog2 = 8.0f;
-    float run_max[2] = {-INFINITY, -INFINITY};
+    float run_reference[2] = {0.0f, 0.0f};
+    float run_limit[2] = {-INFINITY, -INFINITY};
+    auto reference_max = [&](int c) { return run_limit[c] == -INFINITY ? -INFINITY : run_reference[c]; };
     float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
     float acc[S::kMTiles][4];
   #pragma unroll
@@ -846,14 +873,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
-    // The token (stage row) of mma row m of the scores, which is also the reduction index of P·V:
-    // with 128-byte K rows, rows 2p and 2p + 1 of each 8 hold tokens p and p + 4, whose swizzled
-    // chunks lie in opposite halves of the banks (a quarter-warp's fragment reads cover rows 2p and
-    // 2p + 1). Any order of the tokens gives the same sums.
-    auto mma_row_token = [](int m) { return S::kKRowBytes == 128 ? (m & 8) | ((m & 7) >> 1) | ((m & 1) << 2) : m; };
-    const int k_row_token[2] = {mma_row_token(g), mma_row_token(g + 8)};
-    const int v_row_token[4] = {mma_row_token(2 * t), mma_row_token(2 * t + 1), mma_row_token(2 * t + 8),
-                                mma_row_token(2 * t + 9)};
+    using Rows = MmaRows<S::kKRowBytes == 128>;
+    const int k_row_token[2] = {Rows::token(g), Rows::token(g + 8)};
+    // The stage rows of this thread's P·V tokens: v_row_first + Rows::v_row_offset(j).
+    const int v_row_first = Rows::token(2 * t);
     // (slot + n) % kDecodeStages for 0 <= n < kDecodeStages.
     auto slot_after = [](int slot, int n) { return slot + n >= kDecodeStages ? slot + n - kDecodeStages : slot + n; };
     int slot = 0;                 // k % kDecodeStages: tile k's stage
@@ -941,7 +964,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       // than the slack; then to the columns' running maxima, and the sums are rescaled.
       bool exceeds = false;
   #pragma unroll
-      for (int r = 0; r < 4; ++r) exceeds = exceeds || masked_s[r] > run_max[r % 2] + kRescaleSlackLog2;
+      for (int r = 0; r < 4; ++r) exceeds = exceeds || masked_s[r] > run_limit[r % 2];
       if (__any_sync(0xffffffffu, exceeds)) {
         float alpha[2];
   #pragma unroll
@@ -949,9 +972,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
           float tile_max = fmaxf(masked_s[c], masked_s[2 + c]);
   #pragma unroll
           for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-          const float new_max = fmaxf(run_max[c], tile_max);
-          alpha[c] = new_max == -INFINITY ? 1.0f : exp2_fast(run_max[c] - new_max);
-          run_max[c] = new_max;
+          const float old_max = reference_max(c);
+          const float new_max = fmaxf(old_max, tile_max);
+          alpha[c] = new_max == -INFINITY ? 1.0f : exp2_fast(old_max - new_max);
+          run_reference[c] = new_max == -INFINITY ? 0.0f : new_max;
+          run_limit[c] = new_max + kRescaleSlackLog2;
           run_denom[c] *= alpha[c];
         }
   #pragma unroll
@@ -960,17 +985,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         }
       }
       // Weights relative to the reference maxima; a masked row (-inf) gets 2^-inf = 0, also while a
-      // column has seen nothing (reference -inf, taken as 0).
+      // column has seen nothing.
       float p[4];
-      bool all_small = true;
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const float reference = run_max[c] == -INFINITY ? 0.0f : run_max[c];
-        p[c] = exp2_fast(masked_s[c] - reference);
-        p[2 + c] = exp2_fast(masked_s[2 + c] - reference);
-        // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote. The reference is a
-        // maximum over positions already seen, so a skipped row qualifies under the per-row rule.
-        if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
+        p[c] = exp2_fast(masked_s[c] - run_reference[c]);
+        p[2 + c] = exp2_fast(masked_s[2 + c] - run_reference[c]);
       }
       const uint32_t p_lo = half2_bits(p[0], p[1]);  // mma row g, heads 2t, 2t+1
       const uint32_t p_hi = half2_bits(p[2], p[3]);  // mma row g+8
@@ -981,18 +1001,28 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         run_denom[0] += __low2float(lo) + __low2float(hi);
         run_denom[1] += __high2float(lo) + __high2float(hi);
       }
-      const bool skip = a.sparse_v_threshold > 0.0f && __all_sync(0xffffffffu, all_small);
+      // FORMAT §5 sparse V at tile granularity: only heads of this CTA vote. The reference is a
+      // maximum over positions already seen, so a skipped row qualifies under the per-row rule. The
+      // vote's comparisons sit behind the (kernel-uniform) threshold test, off the default path.
+      bool skip = false;
+      if (a.sparse_v_threshold > 0.0f) {
+        bool all_small = true;
+  #pragma unroll
+        for (int c = 0; c < 2; ++c)
+          if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
+        skip = __all_sync(0xffffffffu, all_small);
+      }
       if (!skip) {
         // P^T as the B operand: mma rows (2t, 2t+1) and (2t+8, 2t+9) of head g.
         const uint32_t pb0 = transpose_8x8(p_lo);
         const uint32_t pb1 = transpose_8x8(p_hi);
-        // This thread's codes and scales of the tokens of mma rows 2t, 2t+1, 2t+8, 2t+9 (v_row_token);
+        // This thread's codes and scales of the tokens of mma rows 2t, 2t+1, 2t+8, 2t+9;
         // scales as fp16 pairs of rows (2t, 2t+1) and (2t+8, 2t+9).
         uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
         uint32_t scale_bytes[4];
   #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int row = v_row_token[j];
+          const int row = v_row_first + Rows::v_row_offset(j);
           read_code_bytes<S::kCodeBytes>(stage.codes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
           scale_bytes[j] = stage.scales[row * S::kScaleRowPitch + g * S::kThreadDims / kGroupElems];
         }
@@ -1042,7 +1072,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if (slice == 0 && g == 0) {
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        max_s[stream][2 * t + c] = run_max[c];
+        max_s[stream][2 * t + c] = reference_max(c);
         denom_s[stream][2 * t + c] = run_denom[c];
       }
     }
