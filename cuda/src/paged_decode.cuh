@@ -699,7 +699,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     // The byte offset of 16-byte chunk `chunk` of K row `row` in a stage: rows of 128 bytes are
     // stored in the copy engine's 128-byte swizzle (the chunk index XOR bits 7-9 of the row's
     // address: (row + k_swizzle_phase) % 8, the phase being the same for every stage), which the
-    // threads' copies follow too; with the row order of mma_row_token below, the fragment reads
+    // threads' copies follow too; with the row order of MmaRows::token, the fragment reads
     // hit all 32 banks. Rows of 64 bytes are stored as they are.
     const int k_swizzle_phase = int(shared_address(ring) >> 7) & 7;
     auto k_chunk_offset = [&](int row, int chunk) {
