@@ -347,10 +347,13 @@ class FakeEnergy:
 def test_mean_power_w_is_the_counters_growth_between_its_steps():
     dev, energy = FakePowerDevice(), FakeEnergy(watts=500.0)
     probe = bench.PowerProbe(energy, window_s=0.5)
-    power = bench.mean_power_w(dev, lambda: setattr(dev, "replays", dev.replays + 1), probe, energy.clock)
+    replay_us = 1000.0  # 20 replays per batch of POWER_BATCH_S
+    power = bench.mean_power_w(dev, lambda: setattr(dev, "replays", dev.replays + 1), replay_us, probe, energy.clock)
     assert power == pytest.approx(500.0, rel=0.01)
     assert 0.6 <= energy.now < 0.7  # from the first step (0.1 s) to the first one 0.5 s after it
-    assert dev.replays > bench.POWER_QUEUE and dev.synced  # the queue was refilled, and drained at the end
+    per_batch = round(bench.POWER_BATCH_S * 1e6 / replay_us)
+    assert dev.replays % per_batch == 0 and dev.replays > bench.POWER_QUEUE * per_batch  # batches, refilled
+    assert dev.synced  # and drained at the end
 
 
 @pytest.mark.parametrize("energy", [FakeEnergy(watts=0.0), FakeEnergy(watts=500.0, answers=0),
@@ -358,7 +361,7 @@ def test_mean_power_w_is_the_counters_growth_between_its_steps():
                          ids=["counter does not move", "no counter", "counter stops answering"])
 def test_mean_power_w_is_none_where_the_counter_does_not_serve(energy):
     dev = FakePowerDevice()
-    assert bench.mean_power_w(dev, lambda: None, bench.PowerProbe(energy, window_s=0.5), energy.clock) is None
+    assert bench.mean_power_w(dev, lambda: None, 50.0, bench.PowerProbe(energy, window_s=0.5), energy.clock) is None
     assert dev.synced
     assert energy.now < 0.5 + bench.ENERGY_STEP_TIMEOUT_S + 0.01  # it gave up in time
     if energy.watts == 0.0:  # no step at all: it waits for the first one only so long
@@ -371,7 +374,8 @@ def test_rows_and_peers_get_power_and_energy_per_launch(monkeypatch):
     monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
     monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([8.0]))
     monkeypatch.setattr(bench, "chain_graph", lambda dev, enqueues: "graph")
-    monkeypatch.setattr(bench, "mean_power_w", lambda dev, replay, probe: replay() or 600.0)
+    monkeypatch.setattr(bench, "mean_power_w",
+                        lambda dev, replay, replay_us, probe: replay() or (replay_us == 32 * 8.0 and 600.0))
     probes = []
     monkeypatch.setattr(bench, "PEERS", {"bf16_sdpa": lambda dev, shape, config, power: probes.append(power) or (
         1000, bench.Timing(50.0, 50.0, 1, (), power_w=400.0))})

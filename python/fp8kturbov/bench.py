@@ -75,6 +75,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -439,7 +440,10 @@ def clock_limit_note(shares: dict[str, float]) -> str:
 #: NVML's energy counter moves in steps (about every 100 ms on an H200). A power reading waits
 #: this long at most for its first step before it gives up (a counter that does not move).
 ENERGY_STEP_TIMEOUT_S = 1.0
-#: Replays queued ahead while power is measured, so that the GPU is never left without work.
+#: While power is measured, replays are queued in batches of at least this much GPU time (s), and
+#: `POWER_QUEUE` batches ahead: a reading of NVML's energy counter takes milliseconds (3-5 ms on an
+#: H200 host), during which fewer queued replays would leave the GPU idle.
+POWER_BATCH_S = 0.02
 POWER_QUEUE = 2
 
 
@@ -451,14 +455,16 @@ class PowerProbe:
     window_s: float
 
 
-def mean_power_w(dev: Device, replay: Callable[[], None], probe: PowerProbe,
+def mean_power_w(dev: Device, replay: Callable[[], None], replay_us: float, probe: PowerProbe,
                  clock: Callable[[], float] = time.perf_counter) -> float | None:
-    """The board's mean power (W) while ``replay`` (which enqueues on ``dev.stream``) runs back to
-    back, `POWER_QUEUE` replays ahead: the energy counter's growth from its first step to its first
+    """The board's mean power (W) while ``replay`` (which enqueues on ``dev.stream`` work of about
+    ``replay_us`` µs) runs back to back, in batches of `POWER_BATCH_S` and `POWER_QUEUE` batches
+    ahead: the energy counter's growth from its first step to its first
     step at least ``probe.window_s`` seconds (by ``clock``) later, over the time between them. The
     load runs for a step before the window opens, so the window holds no ramp-up. None where the
     counter does not answer, or does not step within `ENERGY_STEP_TIMEOUT_S` (of the start, or of
     the window's end)."""
+    per_batch = max(1, math.ceil(POWER_BATCH_S * 1e6 / replay_us))
     free, queued = list(dev.events(POWER_QUEUE)), []
     last = probe.counters.energy_mj()
     began = clock()
@@ -467,7 +473,8 @@ def mean_power_w(dev: Device, replay: Callable[[], None], probe: PowerProbe,
     try:
         while last is not None:
             while free:
-                replay()
+                for _ in range(per_batch):
+                    replay()
                 dev.record(free[-1])
                 queued.append(free.pop())
             if dev.done(queued[0]):
@@ -576,7 +583,7 @@ def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: in
     dev.synchronize()
     timing = Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)], len(launches))
     if power is not None:
-        timing = dataclasses.replace(timing, power_w=mean_power_w(dev, launches[0], power))
+        timing = dataclasses.replace(timing, power_w=mean_power_w(dev, launches[0], timing.median_us, power))
     return timing
 
 
@@ -1056,7 +1063,8 @@ def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[],
     result.in_graph_us = chain.median_us
     result.mark_clock_limits(held)
     if power is not None:  # over replays of a chain graph: single launches would leave the GPU gaps
-        result.power_w = mean_power_w(dev, functools.partial(dev.launch, chain_graph(dev, enqueues)), power)
+        replay = functools.partial(dev.launch, chain_graph(dev, enqueues))
+        result.power_w = mean_power_w(dev, replay, GRAPH_CHAIN * result.in_graph_us, power)
         result.energy_mj = energy_mj(result.power_w, result.in_graph_us)
 
 
