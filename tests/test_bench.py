@@ -16,6 +16,7 @@ import pytest
 
 import fp8kturbov
 from fp8kturbov import _bench_kernels, bench
+from fp8kturbov._nvml import NvmlCounters
 from fp8kturbov.__main__ import build_parser, config_from_args, main
 
 D128_3BIT = bench.Shape("decode", 3, 1, 32768, 128, 32, 8, 16)
@@ -271,8 +272,8 @@ def test_rows_whose_sets_differ_are_marked(monkeypatch, set_times, l2, note):
     assert bench.table_rows([bench.dataclasses.asdict(result)])[0][-1] == note
 
 
-class FakeClockLimits:
-    """`ClockLimits` whose counters grow by ``steps_ns`` (per limit) at each reading."""
+class FakeNvmlCounters:
+    """`NvmlCounters` whose clock-limit counters grow by ``steps_ns`` (per limit) at each reading."""
 
     def __init__(self, steps_ns: dict[str, int]) -> None:
         self.steps_ns, self.readings = steps_ns, 0
@@ -282,8 +283,8 @@ class FakeClockLimits:
         return {name: step * self.readings for name, step in self.steps_ns.items()}
 
 
-class SilentClockLimits:
-    """`ClockLimits` after NVML stopped answering."""
+class SilentNvmlCounters:
+    """`NvmlCounters` after NVML stopped answering."""
 
     def held_ns(self) -> None:
         return None
@@ -291,17 +292,127 @@ class SilentClockLimits:
 
 def test_clock_limits_held_gives_each_limits_share_of_the_block():
     clock = iter([1_000_000, 3_000_000]).__next__  # the block takes 2 ms
-    with bench.clock_limits_held(FakeClockLimits({"power cap": 500_000, "thermal": 0}), clock) as held:
+    with bench.clock_limits_held(FakeNvmlCounters({"power cap": 500_000, "thermal": 0}), clock) as held:
         assert held == {}  # filled once the block has run
     assert held == {"power cap": 0.25, "thermal": 0.0}
     clock = iter([0, 1000]).__next__  # a counter running ahead of the host clock counts as all of it
-    with bench.clock_limits_held(FakeClockLimits({"power cap": 5000, "thermal": 0}), clock) as held:
+    with bench.clock_limits_held(FakeNvmlCounters({"power cap": 5000, "thermal": 0}), clock) as held:
         pass
     assert held == {"power cap": 1.0, "thermal": 0.0}
-    for limits in (None, SilentClockLimits()):
-        with bench.clock_limits_held(limits) as held:
+    for counters in (None, SilentNvmlCounters()):
+        with bench.clock_limits_held(counters) as held:
             pass
         assert held == {}
+
+
+class FakePowerDevice:
+    """The part of `bench.Device` that `mean_power_w` uses: each replay takes one poll to finish."""
+
+    def __init__(self) -> None:
+        self.replays, self.queries, self.synced = 0, 0, False
+
+    def events(self, count):
+        return list(range(count))
+
+    def record(self, event):
+        pass
+
+    def done(self, event):
+        self.queries += 1
+        return self.queries % 2 == 0
+
+    def synchronize(self):
+        self.synced = True
+
+
+class FakeEnergy:
+    """An energy counter stepping every ``step_s`` of a fake clock (1 ms per reading of the clock)
+    by ``watts`` x ``step_s``, as NVML's does; None once ``answers`` readings are used up."""
+
+    def __init__(self, watts: float, step_s: float = 0.1, answers: int | None = None) -> None:
+        self.watts, self.step_s, self.answers, self.now = watts, step_s, answers, 0.0
+
+    def clock(self) -> float:
+        self.now += 0.001
+        return self.now
+
+    def energy_mj(self) -> int | None:
+        if self.answers is not None:
+            if self.answers == 0:
+                return None
+            self.answers -= 1
+        return 7 + round(1e3 * self.watts * self.step_s) * int(self.now / self.step_s + 1e-9)
+
+
+def test_mean_power_w_is_the_counters_growth_between_its_steps():
+    dev, energy = FakePowerDevice(), FakeEnergy(watts=500.0)
+    probe = bench.PowerProbe(energy, window_s=0.5)
+    replay_us = 1000.0  # 20 replays per batch of POWER_BATCH_S
+    power = bench.mean_power_w(dev, lambda: setattr(dev, "replays", dev.replays + 1), replay_us, probe, energy.clock)
+    assert power == pytest.approx(500.0, rel=0.01)
+    assert 0.6 <= energy.now < 0.7  # from the first step (0.1 s) to the first one 0.5 s after it
+    per_batch = round(bench.POWER_BATCH_S * 1e6 / replay_us)
+    assert dev.replays % per_batch == 0 and dev.replays > bench.POWER_QUEUE * per_batch  # batches, refilled
+    assert dev.synced  # and drained at the end
+
+
+@pytest.mark.parametrize("energy", [FakeEnergy(watts=0.0), FakeEnergy(watts=500.0, answers=0),
+                                    FakeEnergy(watts=500.0, answers=150)],
+                         ids=["counter does not move", "no counter", "counter stops answering"])
+def test_mean_power_w_is_none_where_the_counter_does_not_serve(energy):
+    dev = FakePowerDevice()
+    assert bench.mean_power_w(dev, lambda: None, 50.0, bench.PowerProbe(energy, window_s=0.5), energy.clock) is None
+    assert dev.synced
+    assert energy.now < 0.5 + bench.ENERGY_STEP_TIMEOUT_S + 0.01  # it gave up in time
+    if energy.watts == 0.0:  # no step at all: it waits for the first one only so long
+        assert energy.now < bench.ENERGY_STEP_TIMEOUT_S + 0.01
+
+
+def test_rows_and_peers_get_power_and_energy_per_launch(monkeypatch):
+    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
+    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([8.0]))
+    monkeypatch.setattr(bench, "chain_graph", lambda dev, enqueues: "graph")
+    monkeypatch.setattr(bench, "mean_power_w",
+                        lambda dev, replay, replay_us, probe: replay() or (replay_us == 32 * 8.0 and 600.0))
+    probes = []
+    monkeypatch.setattr(bench, "PEERS", {"bf16_sdpa": lambda dev, shape, config, power: probes.append(power) or (
+        1000, bench.Timing(50.0, 50.0, 1, (), power_w=400.0))})
+    config = bench.Config(ops=("decode",), shapes=((32, 32768),), bits=(3,), power_window_s=2.0)
+    (shape,) = bench.build_cases(config)
+    probe = bench.PowerProbe(FakeEnergy(watts=1.0), 2.0)
+    dev = FakeRunnerDevice()
+    result = bench._Runner(dev, config, 4000.0, power=probe).case(shape)
+    assert (result.power_w, result.energy_mj) == (600.0, pytest.approx(600.0 * 8.0e-3))  # at the in-graph time
+    assert dev.launched == ["graph"]  # the chain graph's replays ran for it
+    assert probes == [probe]
+    peer = result.peers["bf16_sdpa"]
+    assert (peer["power_w"], peer["energy_mj"]) == (400.0, pytest.approx(400.0 * 50.0e-3))
+    result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)  # no probe: nothing measured
+    assert result.power_w is None and result.energy_mj is None
+
+
+def test_report_lists_energy_per_launch_where_measured():
+    rows = fake_rows()
+    config = bench.Config(power_window_s=2.0)
+    assert "power not measured" in bench.format_report(rows, DEVICE, config)
+    assert "energy per launch" not in bench.format_report(rows, DEVICE, bench.Config())
+    decode = rows[3]
+    decode["power_w"], decode["energy_mj"] = 612.4, 7.8
+    decode["peers"]["bf16_sdpa"].update(power_w=401.0, energy_mj=20.05)
+    report = bench.format_report(rows, DEVICE, config)
+    assert "power not measured" not in report
+    assert bench.energy_rows(rows) == [("decode", "3", "1x32768", "128", "7.8 (612)", "20.1 (401)", "-", "-")]
+    assert "energy per launch" in report and "7.8 (612)" in report
+
+
+def test_power_window_option_reaches_the_config():
+    args = build_parser().parse_args(["bench", "--power-window", "2.5"])
+    assert config_from_args(args).power_window_s == 2.5
+    assert config_from_args(build_parser().parse_args(["bench"])).power_window_s == 0.0
+    with pytest.raises(ValueError, match="power_window_s"):
+        bench.Config(power_window_s=-1.0)
 
 
 def test_clock_limit_notes_join_the_rows_notes():
@@ -322,15 +433,16 @@ def test_rows_and_peers_held_by_a_clock_limit_are_marked(monkeypatch):
     monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
     monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
     monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
-    monkeypatch.setattr(bench, "PEERS", {"bf16_sdpa": lambda dev, shape, config: (1000, bench.Timing.of([50.0]))})
+    monkeypatch.setattr(bench, "PEERS",
+                        {"bf16_sdpa": lambda dev, shape, config, power: (1000, bench.Timing.of([50.0]))})
     config = bench.Config(ops=("decode",), shapes=((32, 32768),), bits=(3,))
     (shape,) = bench.build_cases(config)
     # Counters that grow by 1000 s per reading: the power limit held through every block.
-    limits = FakeClockLimits({"power cap": 10**12, "thermal": 0})
-    result = bench._Runner(FakeRunnerDevice(), config, 4000.0, limits).case(shape)
+    counters = FakeNvmlCounters({"power cap": 10**12, "thermal": 0})
+    result = bench._Runner(FakeRunnerDevice(), config, 4000.0, counters).case(shape)
     assert result.note == "power cap 100 %"
     assert result.clock_limited == result.peers["bf16_sdpa"]["clock_limited"] == {"power cap": 1.0, "thermal": 0.0}
-    assert limits.readings == 4  # before and after the row's timing, and the peer's
+    assert counters.readings == 4  # before and after the row's timing, and the peer's
     result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
     assert result.note == "" and result.clock_limited is None
     assert result.peers["bf16_sdpa"]["clock_limited"] is None
@@ -394,10 +506,10 @@ def test_encode_chunk_is_whole_reference_pages():
 
 
 def test_peer_failures_become_statuses(monkeypatch):
-    def broken(dev, shape, config):
+    def broken(dev, shape, config, power):
         raise RuntimeError("kernel exploded\nsecond line")
 
-    def unavailable(dev, shape, config):
+    def unavailable(dev, shape, config, power):
         raise bench.PeerUnavailable("skipped: needs 9.0 GiB, 1.0 GiB free")
 
     monkeypatch.setattr(bench, "PEERS", {"a": broken, "b": unavailable})
@@ -581,7 +693,14 @@ def test_launch_options_pass_the_query_rows_of_a_multi_token_decode():
 
 
 class FakeRunnerDevice:
-    """The part of `bench.Device` that `_Runner.case` asks directly (the launches are stubbed)."""
+    """The part of `bench.Device` that `_Runner.case` asks directly (the launches are stubbed; a
+    graph launch is logged)."""
+
+    def __init__(self) -> None:
+        self.launched = []
+
+    def launch(self, graph) -> None:
+        self.launched.append(graph)
 
     def attribute(self, name: str) -> int:
         return 60 << 20
@@ -600,7 +719,7 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
     monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
     monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
     monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
-    monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling, limits=None:
+    monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling, counters=None, power=None:
                         peer_runs.append((name, shape.q_len)) or {"status": "absent"})
     for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_sdpa", 1), ("fp8_flashinfer", 1)])]:
         peer_runs.clear()
@@ -631,7 +750,7 @@ def test_json_schema(tmp_path):
     assert all(set(row) == keys for row in document["rows"])
     peer = document["rows"][3]["peers"]["bf16_sdpa"]
     assert set(peer) == {"status", "bytes", "median_us", "min_us", "samples", "set_medians_us", "gbps",
-                         "pct_of_ceiling"}
+                         "pct_of_ceiling", "power_w", "energy_mj"}
     assert document["rows"][3]["set_medians_us"] == [14.5] and document["rows"][4]["set_medians_us"] == []
     assert document["rows"][4]["median_us"] is None
     assert [row["q_len"] for row in document["rows"]] == [None, None, None, 1, 1, None]
@@ -796,6 +915,26 @@ def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
     assert "read bandwidth" in report and "copy bandwidth (read+write)" in report and "launch floor" in report
     bench.write_json(tmp_path / "bench.json", rows, device, config)
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][3]["op"] == "decode"
+
+
+@pytest.mark.gpu
+def test_gpu_power_window_one_tiny_shape():
+    config = bench.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), iters=5, warmup=2, sets=2,
+                          ceiling_bytes=8 * bench.MiB, peers=False, power_window_s=0.3)
+    with bench.Device(timing_gate=TIMING_GATE) as dev:
+        counters = NvmlCounters.open(dev.pci_bus_id)
+        has_energy = counters is not None and counters.energy_mj() is not None
+        if counters is not None:
+            counters.close()
+        rows = bench.run_benchmarks(config, device=dev, show_progress=False)
+        report = bench.format_report(rows, bench.describe_device(dev), config)
+    decode = rows[3]
+    if not has_energy:  # no energy counter here: nothing measured, and the report says so
+        assert decode["power_w"] is None and "power not measured" in report
+        return
+    assert decode["power_w"] > 0, "the energy counter answers, so it moves under load"
+    assert decode["energy_mj"] == pytest.approx(decode["power_w"] * decode["in_graph_us"] * 1e-3)
+    assert "energy per launch" in report
 
 
 @pytest.mark.gpu

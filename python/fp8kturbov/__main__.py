@@ -106,6 +106,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_q_len_argument(parser, d.q_len)
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
+    parser.add_argument("--power-window", type=float, metavar="SECONDS", default=d.power_window_s,
+                        help="after each row's timing (and each peer's), run its launches back to back "
+                        "for about SECONDS more and report the board's mean power and the energy per "
+                        "launch, from NVML's energy counter, which moves about every 0.1 s: 2 or more "
+                        "give a few per cent (default: off)")
     parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     parser.add_argument("--no-timing-gate", action="store_true",
                         help="queue the timed launches without holding the stream (short launches "
@@ -125,7 +130,7 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
         v_rotation=args.v_rotation, q_len=args.q_len, peers=not args.no_peers, seed=args.seed,
-        ceiling_bytes=args.ceiling_mib * bench.MiB)
+        ceiling_bytes=args.ceiling_mib * bench.MiB, power_window_s=args.power_window)
 
 
 def _error(message: str, command: str = "bench") -> None:

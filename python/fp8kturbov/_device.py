@@ -30,13 +30,18 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def check_result(err: Any, function_name: str) -> None:
+    """Raise `BenchError` naming ``function_name`` where ``err`` (a CUresult) is not success."""
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise BenchError(f"{function_name} failed: {name.decode() if name else err}")
+
+
 def driver_call(function: Callable[..., Any], *args: Any) -> Any:
     """Call a cuda.bindings driver function; return its values, raise `BenchError` on failure."""
     result = function(*args)
     err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise BenchError(f"{function.__name__} failed: {name.decode() if name else err}")
+    check_result(err, function.__name__)
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -180,6 +185,14 @@ class Device:
 
     def elapsed_us(self, start: Any, end: Any) -> float:
         return 1e3 * driver_call(cu.cuEventElapsedTime, start, end)
+
+    def done(self, event: Any) -> bool:
+        """Whether the work before ``event``'s recording has finished (no wait)."""
+        err, = cu.cuEventQuery(event)
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check_result(err, "cuEventQuery")
+        return True
 
     @contextlib.contextmanager
     def gate(self) -> Iterator[None]:

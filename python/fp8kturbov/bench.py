@@ -47,10 +47,17 @@ apart the row is marked "sets N %", since its median then is one set's time rath
 others' and moves between runs with the sets (memory placement, say); where a row moves between
 runs although its sets agree, the cause lies elsewhere. One such cause is the GPU's power limit
 (or its temperature) holding its clocks down, which slows an issue-bound kernel: NVML's counters
-of that time (`fp8kturbov._clocks`) are read around each row's timing and each peer's, and kept
+of that time (`fp8kturbov._nvml`) are read around each row's timing and each peer's, and kept
 as ``clock_limited`` (the share of the measuring time per limit); a row where a limit held the
 clocks for more than 1 % of it is marked "power cap N %" or "thermal N %". Where NVML is not
 available the report says so and nothing is marked.
+
+Power (``power_window_s``, ``--power-window``): after a row's timing its launches run back to back
+(in graphs of `GRAPH_CHAIN`; a peer's, one per graph replay) for about that many seconds more, and
+NVML's energy counter gives the board's mean power over them, from one of its steps (about every
+100 ms on an H200) to another: ``power_w``, and ``energy_mj`` per launch at the row's time. It is
+the whole board's power, idle share included; short launches whose host cost exceeds their GPU
+time leave the GPU gaps and read low.
 
 Units
 -----
@@ -68,6 +75,7 @@ import functools
 import importlib
 import importlib.metadata
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -83,7 +91,7 @@ from . import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode
                reshape_and_cache, version)
 from . import _bench_kernels
 from ._bench_kernels import READ_ALIGNMENT
-from ._clocks import ClockLimits
+from ._nvml import NvmlCounters
 from ._device import BenchError, Device, cu, driver_call, first_line
 from ._lib import ROTATION_HEAD_DIMS
 from .arrays import MAX_Q_LEN
@@ -182,6 +190,7 @@ class Config:
     ceiling_bytes: int = 2 * GiB  # read by the ceiling's kernel, and copied by the copy
     chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
     seed: int = 0
+    power_window_s: float = 0.0  # seconds of back-to-back launches per row for its mean power; 0 = off
 
     def __post_init__(self) -> None:
         problems = [f"op {op!r} is not one of {OPS}" for op in self.ops if op not in OPS]
@@ -203,6 +212,8 @@ class Config:
             problems.append(f"sparse_v_threshold = {self.sparse_v_threshold} must be >= 0")
         if self.v_encoder not in V_ENCODER_NAMES:
             problems.append(f"v_encoder {self.v_encoder!r} is not one of {V_ENCODER_NAMES}")
+        if not 0 <= self.power_window_s < float("inf"):
+            problems.append(f"power_window_s = {self.power_window_s} must be finite and >= 0")
         if not 0 <= self.soft_cap < float("inf"):
             problems.append(f"soft_cap = {self.soft_cap} must be finite and >= 0")
         if self.v_rotation not in V_ROTATION_NAMES:
@@ -377,6 +388,7 @@ class Timing:
     min_us: float
     samples: int
     set_medians_us: tuple[float, ...] = ()
+    power_w: float | None = None  # the board's mean power while the launches ran (`mean_power_w`)
 
     @classmethod
     def of(cls, samples_us: Sequence[float], sets: int = 1) -> Timing:
@@ -403,18 +415,18 @@ CLOCK_LIMIT_NOTE = 0.01
 
 
 @contextlib.contextmanager
-def clock_limits_held(limits: ClockLimits | None,
+def clock_limits_held(counters: NvmlCounters | None,
                       clock_ns: Callable[[], int] = time.perf_counter_ns) -> Iterator[dict[str, float]]:
     """Yields a dict that, once the block has run, holds per limit ("power cap", "thermal") the
     share (0 to 1) of the block's wall time (by ``clock_ns``) during which that limit held the
-    GPU's clocks down. It stays empty where ``limits`` is None or NVML did not answer."""
+    GPU's clocks down. It stays empty where ``counters`` is None or NVML did not answer."""
     shares: dict[str, float] = {}
-    before = limits.held_ns() if limits is not None else None
+    before = counters.held_ns() if counters is not None else None
     start = clock_ns()
     yield shares
-    if limits is None or before is None:
+    if counters is None or before is None:
         return
-    after = limits.held_ns()
+    after = counters.held_ns()
     if after is not None:
         wall_ns = max(clock_ns() - start, 1)
         shares.update({name: min(1.0, (after[name] - before[name]) / wall_ns) for name in after})
@@ -425,12 +437,80 @@ def clock_limit_note(shares: dict[str, float]) -> str:
     return ", ".join(f"{name} {100 * share:.0f} %" for name, share in shares.items() if share > CLOCK_LIMIT_NOTE)
 
 
+#: NVML's energy counter moves in steps (about every 100 ms on an H200). A power reading waits
+#: this long at most for its first step before it gives up (a counter that does not move).
+ENERGY_STEP_TIMEOUT_S = 1.0
+#: While power is measured, replays are queued in batches of at least this much GPU time (s), and
+#: `POWER_QUEUE` batches ahead: a reading of NVML's energy counter takes milliseconds (3-5 ms on an
+#: H200 host), during which fewer queued replays would leave the GPU idle.
+POWER_BATCH_S = 0.02
+POWER_QUEUE = 2
+
+
+@dataclass(frozen=True)
+class PowerProbe:
+    """How a row's mean board power is measured: NVML's counters, and the seconds of the window."""
+
+    counters: NvmlCounters
+    window_s: float
+
+
+def mean_power_w(dev: Device, replay: Callable[[], None], replay_us: float, probe: PowerProbe,
+                 clock: Callable[[], float] = time.perf_counter) -> float | None:
+    """The board's mean power (W) while ``replay`` (which enqueues on ``dev.stream`` work of about
+    ``replay_us`` µs) runs back to back, in batches of `POWER_BATCH_S` and `POWER_QUEUE` batches
+    ahead: the energy counter's growth from its first step to its first
+    step at least ``probe.window_s`` seconds (by ``clock``) later, over the time between them. The
+    load runs for a step before the window opens, so the window holds no ramp-up. None where the
+    counter does not answer, or does not step within `ENERGY_STEP_TIMEOUT_S` (of the start, or of
+    the window's end)."""
+    per_batch = max(1, math.ceil(POWER_BATCH_S * 1e6 / replay_us))
+    free, queued = list(dev.events(POWER_QUEUE)), []
+    last = probe.counters.energy_mj()
+    began = clock()
+    start: tuple[float, int] | None = None  # (time, energy) of the window's first step
+    power = None
+    try:
+        while last is not None:
+            while free:
+                for _ in range(per_batch):
+                    replay()
+                dev.record(free[-1])
+                queued.append(free.pop())
+            if dev.done(queued[0]):
+                free.append(queued.pop(0))
+                continue
+            now, energy = clock(), probe.counters.energy_mj()
+            if energy is not None and energy != last:
+                if start is None:
+                    start = (now, energy)
+                elif now - start[0] >= probe.window_s:
+                    power = (energy - start[1]) / 1e3 / (now - start[0])
+                    break
+            else:
+                # The first step is due within the timeout of the start, the closing one of the window's end.
+                due = began if start is None else start[0] + probe.window_s
+                if energy is None or now > due + ENERGY_STEP_TIMEOUT_S:
+                    break  # the counter stopped answering, or stepping
+            last = energy
+    finally:
+        dev.synchronize()
+    return power
+
+
+def energy_mj(power_w: float | None, launch_us: float | None) -> float | None:
+    """Energy per launch (mJ) at ``power_w`` for a launch of ``launch_us`` µs; None if either is."""
+    return None if power_w is None or launch_us is None else power_w * launch_us * 1e-3
+
+
 def measured(nbytes: int, timing: Timing, ceiling_gbps: float) -> dict[str, Any]:
-    """The numbers of ``timing`` for a launch moving ``nbytes``: times (µs), GB/s, % of ceiling."""
+    """The numbers of ``timing`` for a launch moving ``nbytes``: times (µs), GB/s, % of ceiling,
+    and where measured the mean power (W) and the energy per launch (mJ)."""
     achieved = gbps(nbytes, timing.median_us)
     return {"bytes": nbytes, "median_us": timing.median_us, "min_us": timing.min_us,
             "samples": timing.samples, "set_medians_us": list(timing.set_medians_us), "gbps": achieved,
-            "pct_of_ceiling": 100.0 * achieved / ceiling_gbps}
+            "pct_of_ceiling": 100.0 * achieved / ceiling_gbps, "power_w": timing.power_w,
+            "energy_mj": energy_mj(timing.power_w, timing.median_us)}
 
 
 @dataclass
@@ -457,6 +537,8 @@ class Result:
     floor_us: float | None = None
     in_graph_us: float | None = None  # per launch, GRAPH_CHAIN of them in one graph (median)
     clock_limited: dict[str, float] | None = None  # see `clock_limits_held`; None: not known
+    power_w: float | None = None  # mean board power, W (`mean_power_w`); None: not measured
+    energy_mj: float | None = None  # per launch, mJ: power_w over in_graph_us (measured in a graph)
     note: str = ""
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -483,10 +565,11 @@ class Result:
 
 
 def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: int,
-                  warmup: int, gate_chunk: int = GATE_CHUNK) -> Timing:
+                  warmup: int, gate_chunk: int = GATE_CHUNK, power: PowerProbe | None = None) -> Timing:
     """Per-launch times, µs: ``warmup`` untimed launches, then ``iters`` event-timed samples,
     sample ``i`` being ``launches[i % len(launches)]()`` (which must enqueue on ``dev.stream``),
-    ``gate_chunk`` of them queued behind each gate."""
+    ``gate_chunk`` of them queued behind each gate. With ``power``, then the mean power of
+    ``launches[0]`` back to back (`mean_power_w`)."""
     for i in range(warmup):
         launches[i % len(launches)]()
     dev.synchronize()
@@ -498,19 +581,27 @@ def time_launches(dev: Device, launches: Sequence[Callable[[], None]], iters: in
                 launches[i % len(launches)]()
                 dev.record(events[2 * i + 1])
     dev.synchronize()
-    return Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)], len(launches))
+    timing = Timing.of([dev.elapsed_us(events[2 * i], events[2 * i + 1]) for i in range(iters)], len(launches))
+    if power is not None:
+        timing = dataclasses.replace(timing, power_w=mean_power_w(dev, launches[0], timing.median_us, power))
+    return timing
 
 
-def time_graph_chain(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
-                     warmup: int) -> Timing:
-    """Per-launch times, µs, inside one CUDA graph of `GRAPH_CHAIN` launches back to back (launch
-    ``i`` from ``enqueues[i % len(enqueues)]``): `time_launches` of its replays, each sample divided
-    by `GRAPH_CHAIN`. Assumes ``enqueues`` ran once already (`time_graphs` does that)."""
+def chain_graph(dev: Device, enqueues: Sequence[Callable[[], None]]) -> Any:
+    """One CUDA graph of `GRAPH_CHAIN` launches back to back, launch ``i`` from
+    ``enqueues[i % len(enqueues)]``."""
     def chain() -> None:
         for i in range(GRAPH_CHAIN):
             enqueues[i % len(enqueues)]()
 
-    graph = dev.capture(chain)
+    return dev.capture(chain)
+
+
+def time_graph_chain(dev: Device, enqueues: Sequence[Callable[[], None]], iters: int,
+                     warmup: int) -> Timing:
+    """Per-launch times, µs, inside a `chain_graph`: `time_launches` of its replays, each sample
+    divided by `GRAPH_CHAIN`. Assumes ``enqueues`` ran once already (`time_graphs` does that)."""
+    graph = chain_graph(dev, enqueues)
     # One replay per gate: it queues as many kernels as a gate's chunk of single launches.
     timing = time_launches(dev, [functools.partial(dev.launch, graph)], iters, warmup,
                            gate_chunk=max(1, GATE_CHUNK // GRAPH_CHAIN))
@@ -755,13 +846,14 @@ def _torch_graph(torch: Any, fn: Callable[[], Any]) -> Any:
 
 
 def _time_torch(dev: Device, torch: Any, make_fn: Callable[[], Callable[[], Any]],
-                config: Config) -> Timing:
-    """Time graph replays of ``make_fn()`` (called once per input set) on ``dev.stream``."""
+                config: Config, power: PowerProbe | None = None) -> Timing:
+    """Time graph replays of ``make_fn()`` (called once per input set) on ``dev.stream``, and with
+    ``power`` measure their mean power."""
     stream = torch.cuda.ExternalStream(int(dev.stream))
     with torch.cuda.stream(stream):  # tensors, warm-up and replays all on the timing stream
         fns = [make_fn() for _ in range(config.sets)]  # holds the inputs the graphs read
         graphs = [_torch_graph(torch, fn) for fn in fns]
-        return time_launches(dev, [g.replay for g in graphs], config.iters, config.warmup)
+        return time_launches(dev, [g.replay for g in graphs], config.iters, config.warmup, power=power)
 
 
 def _sdpa_with_gqa(torch: Any, group: int) -> tuple[Callable[..., Any], int]:
@@ -788,7 +880,8 @@ def _bf16_query(torch: Any, shape: Shape) -> Any:
                        device="cuda")
 
 
-def peer_bf16_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
+def peer_bf16_sdpa(dev: Device, shape: Shape, config: Config,
+                   power: PowerProbe | None = None) -> tuple[int, Timing]:
     """torch SDPA over contiguous bf16 K/V ``[batch, kv_heads, context, head_dim]``, q
     ``[batch, q_heads, 1, head_dim]``, GQA through ``enable_gqa`` (or K/V heads repeated before
     timing where torch lacks it). Returns (bytes, timing)."""
@@ -804,10 +897,11 @@ def peer_bf16_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timi
     def make_fn() -> Callable[[], Any]:
         return functools.partial(sdpa, _bf16_query(torch, shape), kv(), kv())
 
-    return kv_bytes, _time_torch(dev, torch, make_fn, config)
+    return kv_bytes, _time_torch(dev, torch, make_fn, config, power)
 
 
-def peer_fp8_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
+def peer_fp8_sdpa(dev: Device, shape: Shape, config: Config,
+                  power: PowerProbe | None = None) -> tuple[int, Timing]:
     """The straightforward FP8 cache decode in torch: contiguous FP8 E4M3 K/V ``[batch, kv_heads,
     context, head_dim]`` (1 byte per element) cast to bf16 in every decode, then SDPA as in
     `peer_bf16_sdpa` (K/V heads repeated after the cast where torch lacks ``enable_gqa``). The
@@ -834,10 +928,11 @@ def peer_fp8_sdpa(dev: Device, shape: Shape, config: Config) -> tuple[int, Timin
 
         return decode
 
-    return fp8_bytes, _time_torch(dev, torch, make_fn, config)
+    return fp8_bytes, _time_torch(dev, torch, make_fn, config, power)
 
 
-def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config) -> tuple[int, Timing]:
+def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config,
+                        power: PowerProbe | None = None) -> tuple[int, Timing]:
     """flashinfer's paged decode over an FP8 E4M3 K/V cache (NHD pages of ``block_size``
     tokens), bf16 q and output, on tensor cores (its choice for GQA groups of 4 and more, and the
     setting of the FP8 reference numbers in docs/PERFORMANCE.md). Returns (bytes, timing)."""
@@ -869,10 +964,11 @@ def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config) -> tuple[int,
                         device="cuda")
         return functools.partial(wrapper.run, q, (k, v))
 
-    return nbytes, _time_torch(dev, torch, make_fn, config)
+    return nbytes, _time_torch(dev, torch, make_fn, config, power)
 
 
-PEERS: dict[str, Callable[[Device, Shape, Config], tuple[int, Timing]]] = {
+#: Each peer times its decode of a shape (and with a `PowerProbe` measures its power): (bytes, timing).
+PEERS: dict[str, Callable[[Device, Shape, Config, PowerProbe | None], tuple[int, Timing]]] = {
     "bf16_sdpa": peer_bf16_sdpa,
     "fp8_sdpa": peer_fp8_sdpa,
     "fp8_flashinfer": peer_fp8_flashinfer,
@@ -880,13 +976,13 @@ PEERS: dict[str, Callable[[Device, Shape, Config], tuple[int, Timing]]] = {
 
 
 def run_peer(name: str, dev: Device, shape: Shape, config: Config, ceiling_gbps: float,
-             limits: ClockLimits | None = None) -> dict[str, Any]:
+             counters: NvmlCounters | None = None, power: PowerProbe | None = None) -> dict[str, Any]:
     """One peer's numbers for ``shape`` (see `measured`, and ``clock_limited`` as a row's) with
     ``status`` "ok"; else only a status: "absent", "skipped: <why>" or "error: <first line of the
     error>"."""
     try:
-        with clock_limits_held(limits) as held:
-            nbytes, timing = PEERS[name](dev, shape, config)
+        with clock_limits_held(counters) as held:
+            nbytes, timing = PEERS[name](dev, shape, config, power)
         return {"status": "ok", **measured(nbytes, timing, ceiling_gbps), "clock_limited": held or None}
     except PeerUnavailable as why:
         return {"status": str(why)}
@@ -923,10 +1019,10 @@ def progress(items: Sequence[Any], label: Callable[[Any], str], enabled: bool = 
             yield item
 
 
-def measure_ceiling(dev: Device, config: Config, limits: ClockLimits | None = None) -> tuple[Result, Result]:
+def measure_ceiling(dev: Device, config: Config, counters: NvmlCounters | None = None) -> tuple[Result, Result]:
     """The ceiling, a read of ``config.ceiling_bytes`` by the bench's read kernel (bytes read), and
     beside it a DtoD copy of as many bytes (bytes read plus bytes written): ``(read, copy)``, each
-    marked where a clock limit held (``limits``; see `clock_limits_held`)."""
+    marked where a clock limit held (``counters``; see `clock_limits_held`)."""
     n = config.ceiling_bytes
     read = Result(op="read", shape=f"{n / GiB:g} GiB read", bytes=n)
     copy = Result(op="copy", shape=f"{n / GiB:g} GiB DtoD", bytes=2 * n)
@@ -939,11 +1035,11 @@ def measure_ceiling(dev: Device, config: Config, limits: ClockLimits | None = No
         dev.memset(src, 1, n)  # touch both buffers before timing
         dev.memset(dst, 0, n)
         read_once = functools.partial(_bench_kernels.read, int(dev.stream), src, n, sink, ctas)
-        with clock_limits_held(limits) as held:
+        with clock_limits_held(counters) as held:
             timing = time_launches(dev, [read_once], COPY_ITERS, COPY_WARMUP)
         read.record(timing, gbps(read.bytes, timing.median_us))
         read.mark_clock_limits(held)
-        with clock_limits_held(limits) as held:
+        with clock_limits_held(counters) as held:
             timing = time_launches(dev, [functools.partial(dev.copy, dst, src, n)], COPY_ITERS, COPY_WARMUP)
         copy.record(timing, read.gbps)
         copy.mark_clock_limits(held)
@@ -951,12 +1047,14 @@ def measure_ceiling(dev: Device, config: Config, limits: ClockLimits | None = No
 
 
 def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[], None]],
-                    config: Config, ceiling_gbps: float, limits: ClockLimits | None = None) -> None:
+                    config: Config, ceiling_gbps: float, counters: NvmlCounters | None = None,
+                    power: PowerProbe | None = None) -> None:
     """Time ``enqueues`` (one per input set) one launch per graph replay, the row's times, and
     `GRAPH_CHAIN` launches per graph, its ``in_graph_us``. Marks a row whose sets' medians are
     more than `SET_SPREAD_NOTE` apart ("sets N %"), and one during whose timing a clock limit held
-    (``limits``; `Result.mark_clock_limits`)."""
-    with clock_limits_held(limits) as held:
+    (``counters``; `Result.mark_clock_limits`). With ``power``, then the row's mean power and
+    energy per launch."""
+    with clock_limits_held(counters) as held:
         timing = time_graphs(dev, enqueues, config.iters, config.warmup)
         chain = time_graph_chain(dev, enqueues, max(1, config.iters // 4), min(config.warmup, 2))
     result.record(timing, ceiling_gbps)
@@ -964,25 +1062,30 @@ def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[],
         result.note = f"sets {100 * timing.set_spread():.0f} %"
     result.in_graph_us = chain.median_us
     result.mark_clock_limits(held)
+    if power is not None:  # over replays of a chain graph: single launches would leave the GPU gaps
+        replay = functools.partial(dev.launch, chain_graph(dev, enqueues))
+        result.power_w = mean_power_w(dev, replay, GRAPH_CHAIN * result.in_graph_us, power)
+        result.energy_mj = energy_mj(result.power_w, result.in_graph_us)
 
 
 def measure_launch_floor(dev: Device, config: Config, ceiling_gbps: float,
-                         limits: ClockLimits | None = None) -> Result:
+                         counters: NvmlCounters | None = None) -> Result:
     """The launch floor: one empty kernel, timed like the library's launches."""
     result = Result(op="launch", shape="empty-kernel graph", bytes=0)
     with dev.scope():
         record_launches(result, dev, [functools.partial(_bench_kernels.empty, int(dev.stream))], config,
-                        ceiling_gbps, limits)
+                        ceiling_gbps, counters)
     return result
 
 
 class _Runner:
-    """State shared by the cases of one run: the ceiling, the clock-limit counters (None: not
-    available), encoded chunks, peer results."""
+    """State shared by the cases of one run: the ceiling, NVML's counters (None: not available),
+    the power probe (None: power not measured), encoded chunks, peer results."""
 
     def __init__(self, dev: Device, config: Config, ceiling_gbps: float,
-                 limits: ClockLimits | None = None) -> None:
-        self.dev, self.config, self.ceiling, self.limits = dev, config, ceiling_gbps, limits
+                 counters: NvmlCounters | None = None, power: PowerProbe | None = None) -> None:
+        self.dev, self.config, self.ceiling, self.counters = dev, config, ceiling_gbps, counters
+        self.power = power
         self.rng = np.random.default_rng(config.seed)
         self.l2_bytes = dev.attribute("L2_CACHE_SIZE")
         self._chunks: dict[Shape, Chunk] = {}
@@ -1005,7 +1108,7 @@ class _Runner:
                 enqueues = decode_enqueues(self.dev, shape, self.config, self.chunk(shape), self.rng)
             else:
                 enqueues = write_enqueues(self.dev, shape, self.config, self.rng)
-            record_launches(result, self.dev, enqueues, self.config, self.ceiling, self.limits)
+            record_launches(result, self.dev, enqueues, self.config, self.ceiling, self.counters, self.power)
         if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
             result.note = ", ".join(filter(None, ["L2", result.note]))
         if shape.op == "decode" and self.config.peers and shape.q_len == 1:
@@ -1015,7 +1118,8 @@ class _Runner:
     def peers(self, shape: Shape) -> dict[str, dict[str, Any]]:
         key = dataclasses.replace(shape, bits=0)  # peers do not depend on the V bits
         if key not in self._peers:
-            self._peers[key] = {name: run_peer(name, self.dev, shape, self.config, self.ceiling, self.limits)
+            self._peers[key] = {name: run_peer(name, self.dev, shape, self.config, self.ceiling, self.counters,
+                                               self.power)
                                 for name in PEERS}
         return self._peers[key]
 
@@ -1031,16 +1135,19 @@ def run_benchmarks(config: Config, *, device: Device | None = None,
     """
     cases = build_cases(config)
     dev = device if device is not None else Device()
-    limits = None
+    counters = None
     try:
-        limits = ClockLimits.open(dev.pci_bus_id)
-        read, copy = measure_ceiling(dev, config, limits)
-        rows = [read, copy, measure_launch_floor(dev, config, read.gbps, limits)]
-        runner = _Runner(dev, config, read.gbps, limits)
+        counters = NvmlCounters.open(dev.pci_bus_id)
+        read, copy = measure_ceiling(dev, config, counters)
+        rows = [read, copy, measure_launch_floor(dev, config, read.gbps, counters)]
+        power = None
+        if counters is not None and config.power_window_s > 0:
+            power = PowerProbe(counters, config.power_window_s)
+        runner = _Runner(dev, config, read.gbps, counters, power)
         rows += [runner.case(shape) for shape in progress(cases, Shape.describe, show_progress)]
     finally:
-        if limits is not None:
-            limits.close()
+        if counters is not None:
+            counters.close()
         if device is None:
             dev.close()
     return [dataclasses.asdict(row) for row in rows]
@@ -1128,6 +1235,25 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
             for row in rows if row["op"] in OPS]
 
 
+def _energy_cell(result: dict[str, Any] | None) -> str:
+    """``"mJ (W)"`` of a row or peer whose power was measured, else ``"-"``."""
+    if result is None or result.get("power_w") is None:
+        return "-"
+    return f"{format_number(result['energy_mj'])} ({result['power_w']:.0f})"
+
+
+ENERGY_COLUMNS = ("op", "bits", "shape", "D", "mJ (W)", *(f"{name} mJ (W)" for name in ("bf16 sdpa", "fp8 sdpa",
+                                                                                     "flashinfer fp8")))
+
+
+def energy_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The cells of the case rows whose power was measured (or a peer's), in `ENERGY_COLUMNS` order."""
+    return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]), _energy_cell(row),
+             *(_energy_cell(row["peers"].get(name)) for name in PEERS))
+            for row in rows if row["op"] in OPS and
+            any(r.get("power_w") is not None for r in (row, *row["peers"].values()))]
+
+
 def format_table(cells: Sequence[Sequence[str]], header: Sequence[str]) -> str:
     """Plain-text columns: text left-aligned, numbers right-aligned."""
     widths = [max(len(str(c)) for c in column) for column in zip(header, *cells)]
@@ -1153,6 +1279,13 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
     the run's context (commit, GPU, driver, date)."""
     by_op = {row["op"]: row for row in rows}
     lines = [format_table(table_rows(rows), TABLE_COLUMNS), "", *_reasons(rows)]
+    energy = energy_rows(rows)
+    if energy:
+        lines += [f"energy per launch, mJ (the board's mean power, W, over about {config.power_window_s:g} s of "
+                  f"back-to-back launches: ours in graphs of {GRAPH_CHAIN}, the peers one per graph replay):",
+                  format_table(energy, ENERGY_COLUMNS), ""]
+    elif config.power_window_s > 0:
+        lines.append("power not measured: NVML's energy counter was not available or did not move")
     if "read" in by_op:
         read = by_op["read"]
         lines.append(f"read bandwidth: {format_number(read['gbps'], 0)} GB/s ({read['shape']}, median "
@@ -1246,12 +1379,17 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                                            launch, host time included) during which that limit
                                            held the GPU's clocks down, from NVML's counters
                                            (null: not available, or skipped),
+                   "power_w": float|null   the board's mean power, W, over about
+                                           Config.power_window_s of the row's launches back to
+                                           back in graphs of GRAPH_CHAIN (null: not measured),
+                   "energy_mj": float|null  per launch, mJ: power_w x in_graph_us,
                    "note": "" or, joined by ", ": "L2", "sets <N> %", "power cap <N> %",
                            "thermal <N> %" (a limit's share above 1 %); or "skipped: <why>",
                    "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
                              "median_us", "min_us", "samples", "set_medians_us", "gbps",
-                             "pct_of_ceiling", "clock_limited"}}}]}
+                             "pct_of_ceiling", "clock_limited", "power_w" (over its graph replays,
+                             one launch each), "energy_mj" (power_w x median_us)}}}]}
 
     The first row is the ceiling (``op == "read"``), the second the copy, the third the launch
     floor.

@@ -1,11 +1,14 @@
-"""How long a GPU's clocks were held down by its power limit or its temperature, for the benchmark.
+"""A GPU's counters in NVML, for the benchmark: how long its clocks were held down by its power
+limit or its temperature, and the energy the board has used.
 
 NVML, the driver's management library (``libnvidia-ml.so.1``, installed with the driver), counts
 per GPU the nanoseconds during which each limit held the clocks below what the load asked for
-(``nvmlDeviceGetViolationStatus``): counters that only grow, read here through ctypes. The
-difference of two readings is the time a limit held the clocks in between; an issue-bound kernel
-runs slower for it. Where NVML is missing or has no such counters for the GPU, `ClockLimits.open`
-returns None and nothing is reported.
+(``nvmlDeviceGetViolationStatus``) and the board's energy in millijoules
+(``nvmlDeviceGetTotalEnergyConsumption``): counters that only grow, read here through ctypes. The
+difference of two readings is what happened in between; an issue-bound kernel runs slower for a
+held clock. The energy counter moves in steps (on an H200 about every 100 ms), so it measures
+power over windows of a second or more. Where NVML is missing or has no clock-limit counters for
+the GPU, `NvmlCounters.open` returns None and nothing is reported.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ class _ViolationTime(ctypes.Structure):
     _fields_ = [("reference_time", ctypes.c_ulonglong), ("violation_time", ctypes.c_ulonglong)]
 
 
-class ClockLimits:
-    """One GPU's clock-limit counters in NVML; `held_ns` reads them. Close it (`close`, or use it
-    as a context manager) to release NVML."""
+class NvmlCounters:
+    """One GPU's counters in NVML: `held_ns` reads the clock limits', `energy_mj` the energy. Close it
+    (`close`, or use it as a context manager) to release NVML."""
 
     def __init__(self, nvml: ctypes.CDLL, handle: ctypes.c_void_p) -> None:
         self._nvml, self._handle = nvml, handle
         nvml.nvmlDeviceGetViolationStatus.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_ViolationTime)]
         nvml.nvmlDeviceGetViolationStatus.restype = ctypes.c_int
+        nvml.nvmlDeviceGetTotalEnergyConsumption.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
+        nvml.nvmlDeviceGetTotalEnergyConsumption.restype = ctypes.c_int
 
     @classmethod
-    def open(cls, pci_bus_id: str, library: str = NVML_LIBRARY) -> ClockLimits | None:
+    def open(cls, pci_bus_id: str, library: str = NVML_LIBRARY) -> NvmlCounters | None:
         """The counters of the GPU at ``pci_bus_id`` (as CUDA names it: ``0000:3b:00.0``), or None
         where the library cannot be loaded or initialised, has no such GPU, or no counters for it."""
         try:
@@ -62,11 +67,19 @@ class ClockLimits:
             held[name] = status.violation_time
         return held
 
+    def energy_mj(self) -> int | None:
+        """The millijoules the board has used since the driver was loaded; None where NVML does not
+        answer (a GPU without the counter)."""
+        energy = ctypes.c_ulonglong()
+        if self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(energy)) != NVML_SUCCESS:
+            return None
+        return energy.value
+
     def close(self) -> None:
         """Release NVML (each successful `open` initialised it once)."""
         self._nvml.nvmlShutdown()
 
-    def __enter__(self) -> ClockLimits:
+    def __enter__(self) -> NvmlCounters:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
