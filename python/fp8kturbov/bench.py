@@ -973,6 +973,8 @@ PEERS: dict[str, Callable[[Device, Shape, Config, PowerProbe | None], tuple[int,
     "fp8_sdpa": peer_fp8_sdpa,
     "fp8_flashinfer": peer_fp8_flashinfer,
 }
+#: The peers' names in the report's column headers.
+PEER_LABELS = {"bf16_sdpa": "bf16 sdpa", "fp8_sdpa": "fp8 sdpa", "fp8_flashinfer": "flashinfer fp8"}
 
 
 def run_peer(name: str, dev: Device, shape: Shape, config: Config, ceiling_gbps: float,
@@ -1222,7 +1224,7 @@ def _peer_cell(peer: dict[str, Any] | None) -> str:
 
 
 TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "in-graph us",
-                 "bf16 sdpa us", "fp8 sdpa us", "flashinfer fp8 us", "note")
+                 *(f"{PEER_LABELS[name]} us" for name in PEERS), "note")
 
 
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -1242,8 +1244,7 @@ def _energy_cell(result: dict[str, Any] | None) -> str:
     return f"{format_number(result['energy_mj'])} ({result['power_w']:.0f})"
 
 
-ENERGY_COLUMNS = ("op", "bits", "shape", "D", "mJ (W)", *(f"{name} mJ (W)" for name in ("bf16 sdpa", "fp8 sdpa",
-                                                                                     "flashinfer fp8")))
+ENERGY_COLUMNS = ("op", "bits", "shape", "D", "mJ (W)", *(f"{PEER_LABELS[name]} mJ (W)" for name in PEERS))
 
 
 def energy_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
