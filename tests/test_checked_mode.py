@@ -11,7 +11,7 @@
   is clamped and raises ``FP8KTURBOV_INDEX_ERROR_SEQ_LEN``. Entries past a sequence's length (the
   tables hold -7 there) are not checked. With valid tables the checked output is bit-identical to
   the unchecked one. Pages of 16 slots (a tile per page) and of 8 (tiles across pages), split and
-  unsplit.
+  unsplit, and over 8 KV heads read in groups of 4 (head groups).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import fp8kturbov
 from fp8kturbov import reference as ref
 from test_collateral_writes import (BF16, K_SCALE, KEY_PAD, PADDING, VALUE_PAD, DecodeSetup, Guarded,
                                     WriteLayout, assert_unchanged, bf16_rows)
+from test_gpu_kernels import assert_head_groups_planned
 
 pytestmark = pytest.mark.gpu
 
@@ -163,6 +164,13 @@ def relative_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.where(den > 0, num / np.where(den > 0, den, 1), num)
 
 
+class HeadGroupSetup(DecodeSetup):
+    """8 KV heads and block tables of 65536 positions: with 64 sequences and 2- or 3-bit V the
+    plan reads the KV heads in groups of 4 (its workspace holds 4 partials per split)."""
+
+    num_kv_heads, table_blocks = 8, 4096
+
+
 SETUPS = [DecodeSetup, SmallPageSetup]
 
 
@@ -185,7 +193,20 @@ def test_checked_decode_of_valid_tables_matches_unchecked(device, rng, setup_typ
 @pytest.mark.parametrize("head_dim", [64, 128, 512])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
 def test_checked_decode_leaves_out_pages_out_of_range(device, rng, setup_type, bits, head_dim, split):
-    setup = setup_type(rng, bits, head_dim, [700, 45, 300, 9, 512])
+    check_out_of_range_pages_left_out(device, rng, setup_type(rng, bits, head_dim, [700, 45, 300, 9, 512]), split)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_checked_decode_with_head_groups_leaves_out_pages_out_of_range(device, rng, bits, head_dim):
+    setup = HeadGroupSetup(rng, bits, head_dim, [700, 45, 300, 9, 512, *rng.integers(0, 40, 59)])
+    assert_head_groups_planned(**setup.scalars())
+    check_out_of_range_pages_left_out(device, rng, setup, split=True)
+
+
+def check_out_of_range_pages_left_out(device, rng, setup: DecodeSetup, split: bool) -> None:
+    """Out-of-range page ids in sequences 0, 2 and 3 (all of 3's) and past sequence 4's length:
+    flagged, and the output that of the remaining pages."""
     B = setup.block_size
     bad_ids = [setup.num_blocks, setup.num_blocks + 1000, -1, -5, np.iinfo(np.int32).min, np.iinfo(np.int32).max]
     for s, count in ((0, 6), (2, 1), (3, None)):  # every page of sequence 3: no position left

@@ -219,6 +219,7 @@ class DecodeSetup:
     went past ``num_seqs`` would write its rows into the guard after the output."""
 
     num_kv_heads, group_size, block_size = 2, 4, 16
+    table_blocks = 0  # entries per block table at least (beyond the sequences' own pages: -7)
 
     def __init__(self, rng, bits: int, head_dim: int, seq_lens: list[int]) -> None:
         self.bits, self.head_dim = bits, head_dim
@@ -227,7 +228,7 @@ class DecodeSetup:
         n = self.num_kv_heads * head_dim
         all_lens = np.array(list(seq_lens) + [64], dtype=np.int32)
         blocks = -(-all_lens // self.block_size)
-        self.max_blocks_per_seq = int(blocks.max()) + 1
+        self.max_blocks_per_seq = max(int(blocks.max()) + 1, self.table_blocks)
         self.num_blocks = int(blocks.sum()) + 2
         self.block_tables = shuffled_block_tables(rng, blocks, self.num_blocks, self.max_blocks_per_seq)
         self.seq_lens = all_lens

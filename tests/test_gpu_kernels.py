@@ -217,14 +217,15 @@ class DecodeCase:
     decode through ``query_start``); None is one query row per sequence without it."""
 
     def __init__(self, rng, bits, head_dim, group_size, window, *, q_gain=1.0, seq_lens=None,
-                 block_size=16, v_pad=16, num_kv_heads=2, q_lens=None, rotation=False):
+                 block_size=16, v_pad=16, num_kv_heads=2, q_lens=None, rotation=False,
+                 max_blocks_per_seq=None):
         self.bits, self.head_dim, self.window, self.rotation = bits, head_dim, window, rotation
         self.num_kv_heads, self.block_size = num_kv_heads, block_size
         self.num_q_heads = self.num_kv_heads * group_size
         self.seq_lens = np.array(seq_lens or [0, 1, 17, 100, 250, 64], dtype=np.int32)
         self.num_seqs = len(self.seq_lens)
         blocks_needed = -(-self.seq_lens // self.block_size)
-        self.max_blocks_per_seq = int(blocks_needed.max()) + 1
+        self.max_blocks_per_seq = max_blocks_per_seq or int(blocks_needed.max()) + 1
         self.num_blocks = int(blocks_needed.sum()) + 5
         n = self.num_kv_heads * head_dim
         # Padded K pages: exercises the K page stride the original ignored.
@@ -266,11 +267,9 @@ class DecodeCase:
             query_start=self.query_start, sinks=sinks, soft_cap=soft_cap,
             rotation=self.rotation if rotation is None else rotation)
 
-    def run(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
-        """The kernel's output; with ``split`` the context is split over CTAs (workspace given,
-        poisoned), else each (sequence, KV head) runs in one CTA. ``sinks``: float32
-        [num_q_heads] or None; ``soft_cap``: 0 = off."""
-        scalars = dict(
+    def scalars(self, sparse_v_threshold=0.0) -> dict:
+        """The launch's scalar arguments (one query row per sequence)."""
+        return dict(
             max_blocks_per_seq=self.max_blocks_per_seq, num_seqs=self.num_seqs,
             num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, block_size=self.block_size, inv_sqrt_d=self.inv_sqrt_d,
@@ -278,6 +277,12 @@ class DecodeCase:
             k_block_stride_bytes=self.k_stride, v_block_stride_bytes=self.v_stride,
             v_data_section_bytes=self.v_data, sliding_window=self.window,
             sparse_v_threshold=sparse_v_threshold)
+
+    def run(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
+        """The kernel's output; with ``split`` the context is split over CTAs (workspace given,
+        poisoned), else each (sequence, KV head) runs in one CTA. ``sinks``: float32
+        [num_q_heads] or None; ``soft_cap``: 0 = off."""
+        scalars = self.scalars(sparse_v_threshold)
         multi_token = self.multi_token_scalars()
         workspace_bytes = (fp8kturbov.paged_decode_workspace_bytes(
             **scalars, max_q_len=multi_token.get("max_q_len", 0)) if split else 0)
@@ -465,6 +470,71 @@ def test_long_contexts_split_over_ctas(device, rng, bits, head_dim, window):
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
     again = case.run(device, sparse_v_threshold=0.0)
     assert np.array_equal(got, again), "a fixed plan must give identical results"
+
+
+def assert_head_groups_planned(**scalars) -> None:
+    """The plan for these launch scalars reads the KV heads in groups of 4: its workspace holds 4
+    partials (one per token stream) per split and query head, where one KV head per CTA needs one
+    per split."""
+    workspace_bytes = fp8kturbov.paged_decode_workspace_bytes(**scalars)
+    partial_bytes = scalars["num_seqs"] * scalars["num_q_heads"] * (scalars["head_dim"] + 2) * 4  # bytes
+    assert workspace_bytes > 0 and workspace_bytes % (4 * partial_bytes) == 0, (workspace_bytes, partial_bytes)
+
+
+@pytest.mark.parametrize("bits, head_dim, group_size, num_kv_heads, block_size, window", [
+    (2, 64, 4, 8, 16, 0), (3, 128, 4, 8, 16, 0), (2, 128, 1, 8, 8, 4500), (3, 128, 1, 8, 8, 4500),
+    (2, 128, 8, 4, 16, 0), (3, 64, 8, 4, 8, 0), (3, 64, 3, 12, 32, 4100), (2, 128, 3, 12, 32, 4100)])
+def test_head_groups_match_reference(device, rng, bits, head_dim, group_size, num_kv_heads, block_size,
+                                     window):
+    """2- and 3-bit V. A grid that fills the GPU (about 512 (sequence, KV head) pairs) over block
+    tables of 65536 positions (or windows of over 4096, which the first sequence exceeds): every
+    warp's token stream is at least 64 tiles long (the plan takes them from the table and the
+    window, not from seq_lens; with more CTAs per multiprocessor, as 2-bit head_dim 64 has, it
+    splits more), so the KV heads are read in groups of 4 (docs/api.md). Most sequences attend short,
+    ragged or empty ranges; the long ones cross the 32-tile batches of page ids of a warp's
+    stream. Without a workspace the same decode runs unsplit, one KV head per CTA: both match the
+    reference, and a fixed plan repeats its result bit for bit."""
+    num_seqs = -(-512 // num_kv_heads)
+    seq_lens = rng.integers(0, 40, num_seqs)
+    seq_lens[:4] = [window + 333 if window else 2100, 0, 1500, 1]
+    case = DecodeCase(rng, bits, head_dim, group_size, window, seq_lens=seq_lens.tolist(),
+                      block_size=block_size, num_kv_heads=num_kv_heads,
+                      max_blocks_per_seq=(8192 if window else 65536) // block_size)
+    assert_head_groups_planned(**case.scalars())
+    want = case.reference()
+    for split in (True, False):
+        got = case.run(device, sparse_v_threshold=0.0, split=split)
+        assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+        assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
+        err = relative_error_per_head(got, want)
+        assert err.max() <= 1e-2, f"split={split}: max relative error per head {err.max():.3g}"
+        if split:
+            assert np.array_equal(got, case.run(device, sparse_v_threshold=0.0)), "a fixed plan repeats its result"
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("options", ["sinks", "soft_cap", "sparse_v"])
+def test_head_groups_with_options_match_reference(device, rng, bits, options):
+    """Head groups (as above) with attention sinks, soft-capping or sparse V, whose merge and
+    votes then run per warp."""
+    seq_lens = rng.integers(0, 60, 64)
+    seq_lens[:3] = [2100, 1000, 0]
+    case = DecodeCase(rng, bits, 128, 4, 0, q_gain=4.0, seq_lens=seq_lens.tolist(), num_kv_heads=8,
+                      max_blocks_per_seq=512)
+    assert_head_groups_planned(**case.scalars())
+    sinks = rng.standard_normal(case.num_q_heads).astype(np.float32) * 3 if options == "sinks" else None
+    soft_cap = 5.0 if options == "soft_cap" else 0.0
+    tau = 1e-3 if options == "sparse_v" else 0.0
+    got = case.run(device, sparse_v_threshold=tau, sinks=sinks, soft_cap=soft_cap)
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    want = case.reference(sinks=sinks, soft_cap=soft_cap)
+    if options == "sparse_v":
+        deviation = np.linalg.norm(got - want, axis=-1)
+        bound = skippable_mass_times_norm(case, tau) + 1e-2 * np.linalg.norm(want, axis=-1) + 1e-6
+        assert np.all(deviation <= bound), (deviation - bound).max()
+    else:
+        err = relative_error_per_head(got, want)
+        assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -448,8 +448,9 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
 // streams runs 9, 8, 8 and 8 tiles, as long as one of 36. So the plan takes the split count with
 // the fewest tile times, waves × tiles per stream (the fewest splits of equal ones), with splits
 // cut into whole tiles per stream, each at least kDecodeMinSplitTiles tiles long, and no split
-// unless the workspace holds the partials. A pure function of the shape, the device and the
-// workspace size.
+// unless the workspace holds the partials. Then head groups (DecodePlan::stream_partials) where
+// they are allowed and the token streams are long. A pure function of the shape, the device and
+// the workspace size.
 constexpr uint64_t kDecodeMaxWaves = 8;  // splits add CTAs up to this many waves at most
 
 uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
@@ -462,13 +463,29 @@ uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
   return (span + unaligned_start + kDecodeTileTokens - 1) / kDecodeTileTokens;
 }
 
-DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors, int ctas_per_sm,
-                       uint64_t workspace_bytes) {
+// The device facts a plan depends on.
+struct DecodeDevice {
+  int multiprocessors = 0;
+  int ctas_per_sm = 0;             // of the default kernel
+  int head_group_ctas_per_sm = 0;  // of the head-group kernel, 0 where not built
+};
+
+// Head groups need the default decode (one query token, unrotated V), one CTA per KV head (a
+// group of at most kDecodeHeadsPerCta query heads), whole groups of KV heads, and a kernel instance
+// that fits as many CTAs per multiprocessor as the default one (the plan's waves assume it).
+bool head_groups_allowed(const fp8kturbov_decode_params_t& p, const DecodePlan& plan, bool same_occupancy) {
+  return decode_head_groups_built(int(p.v_bits), int(p.head_dim)) && same_occupancy && p.query_start == nullptr &&
+         p.v_rotation == FP8KTURBOV_V_ROTATION_NONE && plan.chunks_per_group == 1 &&
+         p.num_kv_heads % kDecodeWarps == 0;
+}
+
+DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, const DecodeDevice& device, uint64_t workspace_bytes) {
   DecodePlan plan{};
   plan.chunks_per_group = decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
+  plan.stream_partials = 1;
   const uint64_t tiles = tiles_per_sequence(p);
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
-  const uint64_t slots = uint64_t(std::max(multiprocessors, 1)) * std::max(ctas_per_sm, 1);
+  const uint64_t slots = uint64_t(std::max(device.multiprocessors, 1)) * std::max(device.ctas_per_sm, 1);
   const uint64_t max_splits = std::min<uint64_t>({kDecodeMaxSplits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles),
                                                   INT32_MAX / std::max<uint64_t>(base_ctas, 1),
                                                   (kDecodeMaxWaves * slots + base_ctas - 1) / std::max<uint64_t>(base_ctas, 1)});
@@ -497,6 +514,17 @@ DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, int multiprocessors,
     plan.num_splits = 1;
     plan.split_tokens = INT32_MAX;
   }
+  // Head groups keep the grid, the splits and each warp's token stream; each (KV head, split) then
+  // has a partial per stream.
+  DecodePlan grouped = plan;
+  grouped.stream_partials = uint32_t(streams);
+  const uint64_t stream_tiles =
+      (std::min<uint64_t>(tiles, uint64_t(plan.split_tokens) / kDecodeTileTokens) + streams - 1) / streams;
+  if (head_groups_allowed(p, plan, device.head_group_ctas_per_sm == device.ctas_per_sm) &&
+      stream_tiles >= kDecodeHeadGroupMinStreamTiles && decode_partials(grouped) <= kDecodeMaxSplits &&
+      decode_workspace_bytes(grouped, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim) <=
+          workspace_bytes)
+    plan = grouped;
   return plan;
 }
 
@@ -521,12 +549,12 @@ cudaError_t current_multiprocessors(int* count) {
   return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
 }
 
-cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, int* count) {
+cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, bool head_groups, int* count) {
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
 #define FP8KTURBOV_DECODE_CASE(BITS, HEAD_DIM) \
-  if (bits == BITS && head_dim == HEAD_DIM) return decode_ctas_per_sm<BITS, HEAD_DIM>(device, count);
+  if (bits == BITS && head_dim == HEAD_DIM) return decode_ctas_per_sm<BITS, HEAD_DIM>(device, head_groups, count);
 #include "dispatch_decode.inc"
 #undef FP8KTURBOV_DECODE_CASE
   *count = 1;  // not built: the launch reports it
@@ -534,11 +562,14 @@ cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, int* c
 }
 
 // The device facts a plan depends on: cached attribute and occupancy queries, no synchronisation.
-cudaError_t query_decode_device(const fp8kturbov_decode_params_t& p, int* multiprocessors, int* ctas_per_sm) {
-  const cudaError_t err = current_multiprocessors(multiprocessors);
-  if (err != cudaSuccess) return err;
-  return dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, ctas_per_sm);
+cudaError_t query_decode_device(const fp8kturbov_decode_params_t& p, DecodeDevice* device) {
+  cudaError_t err = current_multiprocessors(&device->multiprocessors);
+  if (err == cudaSuccess) err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, false, &device->ctas_per_sm);
+  if (err == cudaSuccess)
+    err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, true, &device->head_group_ctas_per_sm);
+  return err;
 }
+
 
 }  // namespace
 
@@ -572,10 +603,10 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   if (reinterpret_cast<uintptr_t>(p.query_start) % alignof(int32_t) != 0)
     return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "query_start = %p is not 4-byte aligned",
                 static_cast<const void*>(p.query_start));
-  int multiprocessors = 0, ctas_per_sm = 0;
-  const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
+  DecodeDevice device;
+  const cudaError_t query = query_decode_device(p, &device);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
-  const DecodePlan plan = plan_decode(p, multiprocessors, ctas_per_sm, p.workspace_bytes);
+  const DecodePlan plan = plan_decode(p, device, p.workspace_bytes);
   const FastDivider divider = fast_divider(p.block_size);
   const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
 
@@ -632,10 +663,10 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
   FP8KTURBOV_CHECK(validate_decode(entry, scalars, &k_block_stride_bytes));
   *workspace_bytes = 0;
   if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
-  int multiprocessors = 0, ctas_per_sm = 0;
-  const cudaError_t query = query_decode_device(p, &multiprocessors, &ctas_per_sm);
+  DecodeDevice device;
+  const cudaError_t query = query_decode_device(p, &device);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
-  const DecodePlan plan = plan_decode(p, multiprocessors, ctas_per_sm, UINT64_MAX);
+  const DecodePlan plan = plan_decode(p, device, UINT64_MAX);
   *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim);
   return FP8KTURBOV_STATUS_SUCCESS;
 }

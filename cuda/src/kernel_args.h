@@ -145,7 +145,11 @@ constexpr int kDecodeSliceDim = 128;    // head dimensions of a warp's d-slice a
 constexpr int kDecodeMaxQueryLen = 16;  // query tokens per sequence at most (multi-token decode)
 constexpr int kDecodeCtasPerSm = 4;     // launch bounds: registers sized for 4 resident CTAs per SM
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
-constexpr int kDecodeMaxSplits = 1024;  // context splits per sequence at most
+constexpr int kDecodeMaxSplits = 1024;  // partials per query head at most (splits x stream partials)
+// Head groups (DecodePlan::stream_partials) where the plan's token streams are at least this many
+// tiles long: shorter ones lose more to the merge of 4 times the partials than the reads of
+// neighbouring heads gain (docs/PERFORMANCE.md, log 54).
+constexpr int kDecodeHeadGroupMinStreamTiles = 64;
 constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode facts (occupancy, code version) are cached
 
 // Token streams of a CTA: each warp streams its own tiles, except that with head_dim > 128 the
@@ -154,14 +158,32 @@ __host__ __device__ constexpr int decode_streams_per_cta(int head_dim) {
   return kDecodeWarps / (head_dim > kDecodeSliceDim ? head_dim / kDecodeSliceDim : 1);
 }
 
+// Head groups (DecodePlan::stream_partials) have kernel instances where every warp streams tiles
+// of its own (up to head_dim 128), for 2- and 3-bit V: 4-bit V, whose tiles are held by their
+// shared-memory lookups, measured no faster with them (docs/PERFORMANCE.md, log 54).
+__host__ __device__ constexpr bool decode_head_groups_built(int bits, int head_dim) {
+  return bits <= 3 && decode_streams_per_cta(head_dim) == kDecodeWarps;
+}
+
 // How a decode is split over CTAs (FORMAT §5 does not depend on it; rounding does, so a plan is
 // a pure function of the shape, the device's multiprocessor count and the workspace size).
 struct DecodePlan {
   uint32_t chunks_per_group;  // CTAs per KV head: ceil(max_q_len * group size / 8)
-  uint32_t num_splits;        // context splits per sequence; 1 = no workspace used
+  uint32_t num_splits;        // context splits per sequence
   int32_t split_tokens;       // positions per split, a multiple of the 16-token tile
-  float* workspace;           // [num_seqs][max_q_len][num_q_heads][num_splits][head_dim + 2] when split
+  // Partials per split and query head. 1: a CTA's warps read one KV head, and the CTA merges their
+  // token streams. kDecodeWarps (head groups, decode_head_groups_allowed): a CTA's warps read
+  // kDecodeWarps neighbouring KV heads, warp w head w, all over one token stream of the split, and
+  // each warp writes its head's partial.
+  uint32_t stream_partials;
+  float* workspace;           // [num_seqs][max_q_len][num_q_heads][partials][head_dim + 2] when partials > 1
 };
+
+// Partials per (sequence, query token, query head) that the merge kernel combines; 1 = no
+// workspace used, the decode kernel writes the output.
+__host__ __device__ inline uint32_t decode_partials(const DecodePlan& plan) {
+  return plan.num_splits * plan.stream_partials;
+}
 
 // CTAs per KV head: one per chunk of up to kDecodeHeadsPerCta columns, a column being one query
 // head of the GQA group for one query token of the sequence (token-major).
@@ -172,8 +194,8 @@ inline uint32_t decode_chunks_per_group(uint32_t num_q_heads, uint32_t num_kv_he
 // Workspace bytes a plan needs.
 inline uint64_t decode_workspace_bytes(const DecodePlan& plan, uint32_t num_seqs, uint32_t max_q_len,
                                        uint32_t num_q_heads, uint32_t head_dim) {
-  if (plan.num_splits <= 1) return 0;
-  return uint64_t(num_seqs) * max_q_len * num_q_heads * plan.num_splits * (head_dim + 2) * sizeof(float);
+  if (decode_partials(plan) <= 1) return 0;
+  return uint64_t(num_seqs) * max_q_len * num_q_heads * decode_partials(plan) * (head_dim + 2) * sizeof(float);
 }
 
 // Alignment (bytes) the decode kernel's V copies need from the V pool, its page stride and its
@@ -191,8 +213,9 @@ template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan,
                                 cudaStream_t stream);
 
-// Resident decode CTAs per multiprocessor of `device` (the current device), for the planner.
+// Resident decode CTAs per multiprocessor of `device` (the current device), for the planner: of
+// the default kernel, or with `head_groups` of the head-group kernel (0 where it is not built).
 template <int BITS, int HEAD_DIM>
-cudaError_t decode_ctas_per_sm(int device, int* count);
+cudaError_t decode_ctas_per_sm(int device, bool head_groups, int* count);
 
 }  // namespace fp8kturbov

@@ -424,9 +424,12 @@ constexpr int kDecodeStages = 3;
 // writes; the toolchain places it at 1 KB in practice): it holds all K sections first, each a
 // multiple of 1024 bytes so that the 128-byte swizzle (a function of address bits 4-9) has the
 // same phase in each, then the code sections, then the scales.
-template <int BITS, int HEAD_DIM>
+template <int BITS, int HEAD_DIM, bool GROUPED = false>
 struct DecodeSmem {
   using S = DecodeShape<BITS, HEAD_DIM>;
+  // KV heads whose query columns the CTA holds: its warps' heads with head groups, else one.
+  static constexpr int kKvHeads = GROUPED ? S::kStreams : 1;
+  static constexpr int kQRows = kKvHeads * kHeadsPerCta;
   static constexpr int kSlots = kDecodeWarps * kDecodeStages;  // stages of all warps
   static constexpr int kRingCodesOffset = kSlots * S::kStageKBytes;
   static constexpr int kRingScalesOffset = kRingCodesOffset + kSlots * S::kStageCodeBytes;
@@ -434,7 +437,7 @@ struct DecodeSmem {
   static constexpr int kOutBytes = S::kStreams * kHeadsPerCta * HEAD_DIM * 4;
   static constexpr int kQRowElems = HEAD_DIM + 4;  // +4 halves: no bank conflicts
   static constexpr int kQOffset = kRingBytes > kOutBytes ? kRingBytes : kOutBytes;
-  static constexpr int kQBytes = kHeadsPerCta * kQRowElems * 2;
+  static constexpr int kQBytes = kQRows * kQRowElems * 2;
   static constexpr int kPagesOffset = kQOffset + kQBytes;
   static constexpr int kPagesBytes = kDecodeWarps * kDecodeStages * kTileTokens * 4;
   static constexpr int kLevelPairsOffset = kPagesOffset + kPagesBytes;
@@ -449,15 +452,18 @@ struct DecodeSmem {
 // of one query token per sequence and unrotated V, i.e. with query_start (several query tokens per
 // sequence) or rotated V (FORMAT §6). The default decode gets a kernel of its own, in which neither
 // the multi-token indexing nor the rotation epilogue exists and whose registers are allocated for
-// its own code alone.
-template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED>
+// its own code alone. GROUPED: head groups (DecodePlan::stream_partials), in an instance of their
+// own, for the default decode up to head_dim 128 (a warp per token stream); the other instances
+// compile as if the option did not exist.
+template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED, bool GROUPED>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     paged_decode_kernel(const DecodeArgs a, const DecodePlan plan, const __grid_constant__ DecodeTensorMaps maps) {
   using S = DecodeShape<BITS, HEAD_DIM>;
-  using L = DecodeSmem<BITS, HEAD_DIM>;
+  using L = DecodeSmem<BITS, HEAD_DIM, GROUPED>;
+  static_assert(!GROUPED || (decode_head_groups_built(BITS, HEAD_DIM) && !EXTENDED), "head groups: the default decode");
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* const ring = smem;
-  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem + L::kQOffset);
+  auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem + L::kQOffset);  // [L::kQRows]
   auto o_s = reinterpret_cast<float(*)[kHeadsPerCta][HEAD_DIM]>(ring);  // after the loop
   int32_t* const page_ring = reinterpret_cast<int32_t*>(smem + L::kPagesOffset);
   __shared__ float max_s[S::kStreams][kHeadsPerCta];
@@ -485,7 +491,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int lane = tid % 32;
   const int g = lane / 4;  // mma groupID
   const int t = lane % 4;  // mma threadID_in_group
-  const int stream = warp / S::kSlices;
+  // The warp's token stream (head groups: below).
+  const int stream = GROUPED ? int(blockIdx.x / plan.chunks_per_group % a.num_kv_heads % S::kStreams) : warp / S::kSlices;
   const int slice = warp % S::kSlices;
   const int slice_d0 = slice * S::kSliceDim;
 
@@ -500,12 +507,17 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // CTA order: the chunks and KV heads of one (sequence, split) are neighbours, so the CTAs that
   // read the same token rows of the pools run side by side and share their DRAM pages and sectors.
   const uint32_t chunk = blockIdx.x % plan.chunks_per_group;
-  const uint32_t kv_head = blockIdx.x / plan.chunks_per_group % a.num_kv_heads;
+  const uint32_t cta_head = blockIdx.x / plan.chunks_per_group % a.num_kv_heads;
   const uint32_t seq_split = blockIdx.x / plan.chunks_per_group / a.num_kv_heads;
   const uint32_t seq = seq_split / plan.num_splits;
   const uint32_t split = seq_split % plan.num_splits;
   const int given_seq_len = a.seq_lens[seq];  // issued first: the CTA's range waits on it
-  const bool reports = a.index_check.enabled() && tid == 0 && chunk == 0 && kv_head == 0 && split == 0;  // once per sequence
+  const bool reports = a.index_check.enabled() && tid == 0 && chunk == 0 && cta_head == 0 && split == 0;  // once per sequence
+  // This warp's KV head and token stream. Head groups: the kDecodeWarps CTAs of a group (cta_head
+  // over its heads) each take one token stream of the split, and their warps the group's heads,
+  // so that the warps of a CTA read the neighbouring heads' pieces of the same token rows together.
+  const uint32_t first_kv_head = GROUPED ? cta_head / S::kStreams * S::kStreams : cta_head;
+  const uint32_t kv_head = GROUPED ? first_kv_head + uint32_t(warp) : cta_head;
   uint32_t row0 = seq;
   int q_len = 1;
   if (EXTENDED && !sequence_query_rows(a, seq, row0, q_len)) {
@@ -526,10 +538,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
   // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
   // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
-  // q_at(i): element i = c·HEAD_DIM + d of the chunk, column c, dimension d. Returns the gain.
+  // q_at(i): element i = c·HEAD_DIM + d of the chunk, column c, dimension d; with head groups
+  // element (k·num_columns + c)·HEAD_DIM + d is column c of the group's k-th KV head, held in q_s
+  // row k·kHeadsPerCta + c. Returns the gain.
   auto load_query = [&](auto q_at) {
     float q_absmax = 0.0f;
-    for (int i = tid; i < num_columns * HEAD_DIM; i += kDecodeThreads) {
+    for (int i = tid; i < L::kKvHeads * num_columns * HEAD_DIM; i += kDecodeThreads) {
       const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(q_at(i))));
       if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
     }
@@ -542,15 +556,18 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
     q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
     const float gain = ldexpf(1.0f, 15 - q_exp);
-    for (int i = tid; i < kHeadsPerCta * HEAD_DIM; i += kDecodeThreads) {
+    for (int i = tid; i < L::kQRows * HEAD_DIM; i += kDecodeThreads) {
       const int h = i / HEAD_DIM;
-      const float v = h < num_columns ? __bfloat162float(__ushort_as_bfloat16(q_at(i))) : 0.0f;
+      const int column = GROUPED ? h % kHeadsPerCta : h;
+      const int element = GROUPED ? (h / kHeadsPerCta * num_columns + column) * HEAD_DIM + i % HEAD_DIM : i;
+      const float v = column < num_columns ? __bfloat162float(__ushort_as_bfloat16(q_at(element))) : 0.0f;
       q_s[h][i % HEAD_DIM] = __float2half_rn(v * gain);
     }
     return gain;
   };
-  // One query token: the chunk's heads are consecutive in its q row, so the loads are one strided
-  // stream that the compiler batches (in flight together); several tokens: per column. The query
+  // One query token: the chunk's heads are consecutive in its q row (with head groups, whose KV
+  // heads have one chunk each, the group's heads too), so the loads are one strided stream that
+  // the compiler batches (in flight together); several tokens: per column. The query
   // is loaded before anything waits on seq_lens, so that the two loads' latencies overlap.
   float q_gain;
   if constexpr (EXTENDED) {
@@ -559,7 +576,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       return a.q[uint64_t(row0 + column_token(c)) * a.q_stride + uint64_t(column_head(c)) * HEAD_DIM + i % HEAD_DIM];
     });
   } else {
-    const uint16_t* q_row = a.q + uint64_t(row0) * a.q_stride + uint64_t(column_head(0)) * HEAD_DIM;
+    const uint32_t first_q_head = GROUPED ? first_kv_head * group_size : column_head(0);
+    const uint16_t* q_row = a.q + uint64_t(row0) * a.q_stride + uint64_t(first_q_head) * HEAD_DIM;
     q_gain = load_query([&](int i) { return q_row[i]; });
   }
 
@@ -632,6 +650,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     // where Stage::scales points.
     const uint32_t scale_skew = S::kScalesByTensorCopy ? uint32_t(k_slice / kGroupElems) % 16 : 0;
     const int thread_d0 = slice_d0 + g * S::kThreadDims;  // first V/O element of this thread
+    const int q_row0 = GROUPED ? warp * kHeadsPerCta : 0;  // this warp's columns in q_s
 
     auto in_range = [&](int pos) { return pos >= range_begin && pos < range_end; };
 
@@ -913,7 +932,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         uint32_t a_frag[4];  // rows g (k_lo) and g + 8 (k_hi), reduction pairs 0-1 and 2-3 of the chunk
         e4m3x4_to_half2x2_bits(reinterpret_cast<const uint32_t*>(&k_bytes[0][j / 4])[j % 4], a_frag[0], a_frag[2]);
         e4m3x4_to_half2x2_bits(reinterpret_cast<const uint32_t*>(&k_bytes[1][j / 4])[j % 4], a_frag[1], a_frag[3]);
-        const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
+        const uint2 q_frag = *reinterpret_cast<const uint2*>(&q_s[q_row0 + g][slice_d0 + 64 * (j / 4) + 16 * t + 4 * (j % 4)]);
         mma_16x8x16(s_part[j % 2], a_frag, q_frag.x, q_frag.y);
       }
       float s[4];
@@ -1061,6 +1080,28 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     // The copies still in flight are of tiles past the end: drain them before the ring is reused.
     copy_async_wait<0>();
+    if constexpr (GROUPED) {
+      // Head groups: this warp's stream is a partial of its own KV head, written from its registers
+      // (the denominators reduced over the 8 lanes sharing t); the merge kernel combines them.
+      const uint32_t partial = split * S::kStreams + uint32_t(stream);
+  #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+  #pragma unroll
+        for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
+        const int column = 2 * t + c;
+        if (column >= num_columns) continue;
+        const uint64_t row = uint64_t(seq) * a.num_q_heads + column_head(column);
+        float* part = plan.workspace + (row * decode_partials(plan) + partial) * (HEAD_DIM + 2);
+  #pragma unroll
+        for (int i = 0; i < S::kMTiles; ++i)
+          *reinterpret_cast<float2*>(part + thread_d0 + 2 * i) = make_float2(acc[i][c], acc[i][2 + c]);
+        if (g == 0) {
+          part[HEAD_DIM] = reference_max(c);
+          part[HEAD_DIM + 1] = run_denom[c];
+        }
+      }
+      return;
+    }
     __syncthreads();
 
     // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
@@ -1186,7 +1227,7 @@ constexpr int kMergeLoadBatch = 32;
 // rotation.
 template <int HEAD_DIM, bool EXTENDED>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
-  __shared__ float weight_s[kDecodeMaxSplits];
+  __shared__ float weight_s[kDecodeMaxSplits];  // per partial
   __shared__ float scratch[HEAD_DIM / 32];
   __shared__ float row_s[HEAD_DIM];  // rotated V: the merged row, rotated back by the first warp
   const uint32_t row = blockIdx.x;  // (sequence * max_q_len + token) * num_q_heads + head (< 2^31)
@@ -1202,20 +1243,20 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
     out_row = uint64_t(row0 + token) * a.num_q_heads + row % a.num_q_heads;
   }
   const int tid = threadIdx.x;
-  const int num_splits = int(plan.num_splits);
-  const float* parts = plan.workspace + uint64_t(row) * num_splits * (HEAD_DIM + 2);
+  const int num_partials = int(decode_partials(plan));
+  const float* parts = plan.workspace + uint64_t(row) * num_partials * (HEAD_DIM + 2);
   float batch[kMergeLoadBatch];  // this thread's elements of splits s0 ... s0 + kMergeLoadBatch - 1
   auto load_batch = [&](int s0) {
 #pragma unroll
     for (int k = 0; k < kMergeLoadBatch; ++k)
-      batch[k] = s0 + k < num_splits ? parts[(s0 + k) * (HEAD_DIM + 2) + tid] : 0.0f;
+      batch[k] = s0 + k < num_partials ? parts[(s0 + k) * (HEAD_DIM + 2) + tid] : 0.0f;
   };
   load_batch(0);
   float m = -INFINITY;
-  for (int s = tid; s < num_splits; s += HEAD_DIM) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
+  for (int s = tid; s < num_partials; s += HEAD_DIM) m = fmaxf(m, parts[s * (HEAD_DIM + 2) + HEAD_DIM]);
   m = block_reduce<HEAD_DIM>(m, [](float x, float y) { return fmaxf(x, y); }, scratch);
   float l = 0.0f;
-  for (int s = tid; s < num_splits; s += HEAD_DIM) {
+  for (int s = tid; s < num_partials; s += HEAD_DIM) {
     const float* part = parts + s * (HEAD_DIM + 2);
     const float w = m == -INFINITY ? 1.0f : exp2f(part[HEAD_DIM] - m);  // as in the stream merge
     weight_s[s] = w;
@@ -1223,11 +1264,11 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   }
   l = block_reduce<HEAD_DIM>(l, [](float x, float y) { return x + y; }, scratch);  // also publishes weight_s
   float o = 0.0f;
-  for (int s0 = 0; s0 < num_splits; s0 += kMergeLoadBatch) {
+  for (int s0 = 0; s0 < num_partials; s0 += kMergeLoadBatch) {
     if (s0 > 0) load_batch(s0);
 #pragma unroll
     for (int k = 0; k < kMergeLoadBatch; ++k)
-      if (s0 + k < num_splits) o += weight_s[s0 + k] * batch[k];
+      if (s0 + k < num_partials) o += weight_s[s0 + k] * batch[k];
   }
   if constexpr (EXTENDED && kRotatableHeadDim<HEAD_DIM>) {
     if (a.rotated_v) {  // FORMAT §6: the partials are of rotated V
@@ -1242,13 +1283,13 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   a.output[out_row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
 }
 
-// The decode kernel instance for a pool layout (code copy width) and EXTENDED.
-template <int BITS, int HEAD_DIM, bool EXTENDED>
+// The decode kernel instance for a pool layout (code copy width), EXTENDED and GROUPED.
+template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED = false>
 const void* decode_kernel_for(const DecodeArgs& args) {
   constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
   return args.v_code_copy_bytes >= kWideCopy
-             ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED>)
-             : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED>);
+             ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED, GROUPED>)
+             : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED, GROUPED>);
 }
 
 // A positive value per device that the runtime is asked once (get: 0 where not asked yet, or for a
@@ -1363,10 +1404,16 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   const bool extended = args.query_start != nullptr || args.rotated_v;
   const void* kernel = extended ? decode_kernel_for<BITS, HEAD_DIM, true>(args)
                                 : decode_kernel_for<BITS, HEAD_DIM, false>(args);
-  constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
+  int smem_bytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
+  if constexpr (decode_head_groups_built(BITS, HEAD_DIM)) {
+    if (plan.stream_partials > 1) {  // head groups: the planner allows them for the default decode only
+      kernel = decode_kernel_for<BITS, HEAD_DIM, false, true>(args);
+      smem_bytes = DecodeSmem<BITS, HEAD_DIM, true>::kBytes;
+    }
+  }
   // Set on every launch: the attribute belongs to the current device's copy of the kernel. It is
   // not a stream operation, so launches stay capturable.
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return err;
   DecodeArgs kernel_args = args;
   DecodePlan kernel_plan = plan;
@@ -1375,7 +1422,7 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(args.num_seqs * plan.num_splits * args.num_kv_heads * plan.chunks_per_group);  // < 2^31
   config.blockDim = dim3(kDecodeThreads);
-  config.dynamicSmemBytes = kSmemBytes;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   // On sm_90, where a (sequence, split) has a multiple of kDecodeClusterCtas CTAs, clusters of that
   // many consecutive ones: chunks and KV heads of one (sequence, split), which read the same token
@@ -1398,7 +1445,7 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
     config.numAttrs = 2;
   }
   err = cudaLaunchKernelExC(&config, kernel, params);
-  if (err != cudaSuccess || plan.num_splits == 1) return err;
+  if (err != cudaSuccess || decode_partials(plan) == 1) return err;
   const void* merge = extended ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true>)
                                : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false>);
   return cudaLaunchKernel(merge, dim3(args.num_seqs * args.max_q_len * args.num_q_heads), dim3(HEAD_DIM), params, 0,
@@ -1406,15 +1453,26 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
 }
 
 template <int BITS, int HEAD_DIM>
-cudaError_t decode_ctas_per_sm(int device, int* count) {
-  static PerDeviceCache cache;  // the answer depends on the device only
+cudaError_t decode_ctas_per_sm(int device, bool head_groups, int* count) {
+  static PerDeviceCache caches[2];  // the answers depend on the device only
+  PerDeviceCache& cache = caches[head_groups];
   if ((*count = cache.get(device)) > 0) return cudaSuccess;
   constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
-  // The default (not EXTENDED) kernel's: all instances share the launch bounds and shared memory size.
-  const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false>);
-  constexpr int kSmemBytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kDecodeThreads, kSmemBytes);
+  // The default (not EXTENDED) kernel's: all instances but the head groups' share the launch bounds
+  // and shared memory size; the head groups' hold more query rows.
+  const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false, false>);
+  int smem_bytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
+  if (head_groups) {
+    if constexpr (!decode_head_groups_built(BITS, HEAD_DIM)) {
+      *count = 0;
+      return cudaSuccess;
+    } else {
+      kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false, true>);
+      smem_bytes = DecodeSmem<BITS, HEAD_DIM, true>::kBytes;
+    }
+  }
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kDecodeThreads, smem_bytes);
   if (err != cudaSuccess) return err;
   if (*count < 1) *count = 1;
   cache.put(device, *count);
