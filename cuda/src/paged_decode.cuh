@@ -10,6 +10,13 @@
 //
 // Inside a CTA, 4 warps each own a d-slice of kSliceDim (<= 128) elements and a stream of 16-token
 // tiles; with head_dim > 128 several warps share one stream and sum their partial scores.
+// Head groups (long streams, DecodePlan::stream_partials): the 4 CTAs of a group of 4 KV heads
+// each take one stream of the split instead, and their warps the group's heads, so that a CTA
+// reads the neighbouring heads' pieces of the same token rows together; each warp then writes its
+// head's partial, and the merge kernel combines a split's 4.
+//
+// Launch. On sm_90, up to head_dim 128, in clusters of 4 CTAs placed by load balance
+// (launch_paged_decode).
 //
 // Memory. Each warp streams its slice of its tiles through its own ring of kDecodeStages stages in
 // shared memory, so kDecodeStages - 1 tiles are in flight while one is computed and no register
@@ -309,12 +316,14 @@ __device__ __forceinline__ uint32_t pair_offset(uint32_t pairs, int f) {
 template <bool SWIZZLED>
 struct MmaRows {
   __host__ __device__ static constexpr int token(int m) { return SWIZZLED ? (m & 8) | ((m & 7) >> 1) | ((m & 1) << 2) : m; }
-  // mma row 2t + (j & 1) + 8 (j >> 1), for j = 0..3, is token v_row_offset(j) rows after token(2t).
-  __host__ __device__ static constexpr int v_row_offset(int j) { return token((j & 1) + 8 * (j >> 1)) - token(0); }
+  // A thread's P·V rows: mma row 2t + v_row_step(j), for j = 0..3, is token v_row_offset(j) rows
+  // after token(2t).
+  __host__ __device__ static constexpr int v_row_step(int j) { return (j & 1) + 8 * (j >> 1); }
+  __host__ __device__ static constexpr int v_row_offset(int j) { return token(v_row_step(j)) - token(0); }
   static constexpr bool v_rows_affine() {
     for (int t = 0; t < 4; ++t)
       for (int j = 0; j < 4; ++j)
-        if (token(2 * t + (j & 1) + 8 * (j >> 1)) != token(2 * t) + v_row_offset(j)) return false;
+        if (token(2 * t + v_row_step(j)) != token(2 * t) + v_row_offset(j)) return false;
     return true;
   }
   static_assert(v_rows_affine(), "a thread's P·V rows are token(2t) plus constants");
