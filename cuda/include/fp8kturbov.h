@@ -293,9 +293,9 @@ FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_decode_params_init_sized(
     fp8kturbov_decode_params_t* params, size_t struct_size);
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_decode_attn(
     const fp8kturbov_decode_params_t* params, fp8kturbov_stream_t stream);
-/* Workspace BYTES with which `params` (pointers and workspace fields ignored) runs fully split on
- * the current device; 0 when splitting would not help. Validates the scalars like the launch; a
- * host query (device attributes), no synchronisation. */
+/* Workspace BYTES with which `params` (pointers and workspace fields ignored) runs its full plan
+ * on the current device (context splits, head groups: docs/api.md); 0 when neither would help.
+ * Validates the scalars like the launch; a host query (device attributes), no synchronisation. */
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_decode_workspace_bytes(
     const fp8kturbov_decode_params_t* params, uint64_t* workspace_bytes);
 

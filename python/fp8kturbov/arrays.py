@@ -629,12 +629,13 @@ class KVCache:
     def decode_workspace(self, num_seqs: int, num_q_heads: int, max_blocks_per_seq: int,
                          sliding_window: int = 0, max_q_len: int = 1) -> Any:
         """Scratch for :func:`paged_decode` with this shape: ``ops.paged_decode_workspace_bytes``
-        BYTES (sized for this cache's device, whose SM count sets the split) of uninitialised
-        memory from this cache's backend, as a 1-D uint8 array (a :class:`DeviceBuffer` for
-        "cuda"; empty when splitting would not help). ``max_q_len`` (1..16): the query rows per
-        sequence of a multi-token decode, as passed to :func:`paged_decode` with ``query_start``
-        (the workspace grows with it). Allocate once, reuse every step: a decode whose shape needs
-        more than the buffer holds runs unsplit (slower, no less correct)."""
+        BYTES (sized for this cache's device, whose SM count sets the split and the head groups)
+        of uninitialised memory from this cache's backend, as a 1-D uint8 array (a
+        :class:`DeviceBuffer` for "cuda"; empty when neither would help). ``max_q_len`` (1..16):
+        the query rows per sequence of a multi-token decode, as passed to :func:`paged_decode`
+        with ``query_start`` (the workspace grows with it). Allocate once, reuse every step: a
+        decode whose shape needs more than the buffer holds runs unsplit, one KV head per CTA
+        (slower, no less correct)."""
         layout = _open(self).layout
         max_q_len = _check_max_q_len(max_q_len)
         with _on_device(self.device):

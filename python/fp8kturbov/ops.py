@@ -166,7 +166,8 @@ def paged_decode_attn(
 
     ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact.
     ``workspace`` is a device buffer of ``workspace_bytes`` bytes (see
-    :func:`paged_decode_workspace_bytes`); without it the context is not split across CTAs.
+    :func:`paged_decode_workspace_bytes`); without it the context is not split across CTAs and
+    the KV heads are not read in head groups (docs/api.md).
     ``num_blocks`` (pages per pool), ``error_flags`` (device address): checked mode, as in
     :func:`reshape_and_cache`.
     """
@@ -184,7 +185,7 @@ def paged_decode_workspace_bytes(
     soft_cap: float = 0.0, max_q_len: int = 0, v_rotation: int = 0,
 ) -> int:
     """Workspace BYTES for :func:`paged_decode_attn` with these scalars on the current device
-    (0 when a split would not help). A host query: no synchronisation."""
+    (0 when neither a split nor head groups would help). A host query: no synchronisation."""
     result = ctypes.c_uint64()
     check(lib.fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(_decode_params(dict(locals()))),
                                                       ctypes.byref(result)))
