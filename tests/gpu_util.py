@@ -25,6 +25,7 @@ class Device:
         check_driver_result(cu.cuCtxSetCurrent(self.context))
         self.stream = check_driver_result(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self._buffers: list[cu.CUdeviceptr] = []
+        self._graphs: list[cu.CUgraphExec] = []
 
     def upload(self, host: np.ndarray) -> int:
         """Copy ``host`` into a new device buffer; returns its address once the copy has landed.
@@ -47,11 +48,37 @@ class Device:
             check_driver_result(cu.cuMemcpyDtoH(out.ctypes.data, address, out.nbytes))
         return out
 
+    def write(self, address: int, host: np.ndarray) -> None:
+        """Copy ``host`` over the device buffer at ``address`` (on ``stream``; waits for it)."""
+        host = np.ascontiguousarray(host)
+        check_driver_result(cu.cuMemcpyHtoDAsync(address, host.ctypes.data, host.nbytes, self.stream))
+        self.synchronize()
+
+    def capture(self, enqueue) -> cu.CUgraphExec:
+        """An executable CUDA graph of the work ``enqueue()`` puts on ``stream``."""
+        check_driver_result(cu.cuStreamBeginCapture(
+            self.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        try:
+            enqueue()
+        except BaseException:
+            cu.cuStreamEndCapture(self.stream)  # the stream stays usable; the error is enqueue's
+            raise
+        graph = check_driver_result(cu.cuStreamEndCapture(self.stream))
+        self._graphs.append(check_driver_result(cu.cuGraphInstantiate(graph, 0)))
+        check_driver_result(cu.cuGraphDestroy(graph))  # the executable graph is a copy
+        return self._graphs[-1]
+
+    def replay(self, graph: cu.CUgraphExec) -> None:
+        check_driver_result(cu.cuGraphLaunch(graph, self.stream))
+
     def synchronize(self) -> None:
         check_driver_result(cu.cuStreamSynchronize(self.stream))
 
     def free_all(self) -> None:
         self.synchronize()
+        for graph in self._graphs:
+            check_driver_result(cu.cuGraphExecDestroy(graph))
+        self._graphs.clear()
         for ptr in self._buffers:
             check_driver_result(cu.cuMemFree(ptr))
         self._buffers.clear()

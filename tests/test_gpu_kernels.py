@@ -278,8 +278,16 @@ class DecodeCase:
             v_data_section_bytes=self.v_data, sliding_window=self.window,
             sparse_v_threshold=sparse_v_threshold)
 
-    def run(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
-        """The kernel's output; with ``split`` the context is split over CTAs (workspace given,
+    def run(self, device, sparse_v_threshold, **options):
+        """The kernel's output (`prepare`'s launch, once)."""
+        launch, out, poison = self.prepare(device, sparse_v_threshold, **options)
+        launch()
+        return device.download(out, poison).view(BF16).astype(np.float64)
+
+    def prepare(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
+        """The device buffers of one decode: ``(launch, out, poison)``, where ``launch()`` enqueues
+        it on ``device.stream`` and ``out`` is the address of its output, filled with ``poison``
+        (bf16 NaN bits). With ``split`` the context is split over CTAs (workspace given,
         poisoned), else each (sequence, KV head) runs in one CTA. ``sinks``: float32
         [num_q_heads] or None; ``soft_cap``: 0 = off."""
         scalars = self.scalars(sparse_v_threshold)
@@ -292,14 +300,18 @@ class DecodeCase:
         out_shape = (self.num_rows, self.num_q_heads, self.head_dim)
         poison = np.full(out_shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN
         out = device.upload(poison)
-        fp8kturbov.paged_decode_attn(
-            device.upload(self.q.view(np.uint16)), device.upload(self.k_pool),
-            device.upload(self.v_pool), out, device.upload(self.block_tables),
-            device.upload(self.seq_lens), workspace=workspace, workspace_bytes=workspace_bytes,
-            sinks=0 if sinks is None else device.upload(np.asarray(sinks, dtype=np.float32)),
-            soft_cap=soft_cap, v_rotation=int(self.rotation), stream=device.stream, **scalars,
-            **multi_token)
-        return device.download(out, poison).view(BF16).astype(np.float64)
+        pointers = (device.upload(self.q.view(np.uint16)), device.upload(self.k_pool),
+                    device.upload(self.v_pool), out, device.upload(self.block_tables),
+                    device.upload(self.seq_lens))
+        sinks_address = 0 if sinks is None else device.upload(np.asarray(sinks, dtype=np.float32))
+
+        def launch():
+            fp8kturbov.paged_decode_attn(
+                *pointers, workspace=workspace, workspace_bytes=workspace_bytes, sinks=sinks_address,
+                soft_cap=soft_cap, v_rotation=int(self.rotation), stream=device.stream, **scalars,
+                **multi_token)
+
+        return launch, out, poison
 
 
 def relative_error_per_head(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -479,6 +491,25 @@ def assert_head_groups_planned(**scalars) -> None:
     workspace_bytes = fp8kturbov.paged_decode_workspace_bytes(**scalars)
     partial_bytes = scalars["num_seqs"] * scalars["num_q_heads"] * (scalars["head_dim"] + 2) * 4  # bytes
     assert workspace_bytes > 0 and workspace_bytes % (4 * partial_bytes) == 0, (workspace_bytes, partial_bytes)
+
+
+@pytest.mark.parametrize("bits, head_dim", [(3, 128), (4, 256)])
+def test_decode_captured_in_a_graph_repeats_the_direct_launch(device, rng, bits, head_dim):
+    """A split decode captured into a CUDA graph (on sm_90 with a CUDA 12.3 or later driver, the
+    merge kernel joined to the decode kernel by a programmatic edge) and replayed twice over a
+    re-poisoned output writes what the launch outside the graph wrote, bit for bit (a fixed plan)."""
+    case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=[3001, 0, 1, 777, 1500])
+    launch, out, poison = case.prepare(device, 0.0)
+    launch()
+    direct = device.download(out, poison)
+    got = direct.view(BF16).astype(np.float64)
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    assert relative_error_per_head(got, case.reference()).max() <= 1e-2
+    graph = device.capture(launch)
+    for _ in range(2):
+        device.write(out, poison)
+        device.replay(graph)
+        assert np.array_equal(device.download(out, poison), direct), "the graph's replay differs"
 
 
 @pytest.mark.parametrize("bits, head_dim, group_size, num_kv_heads, block_size, window", [
