@@ -1485,7 +1485,7 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   merge_config.blockDim = dim3(HEAD_DIM);
   merge_config.stream = stream;
   // A programmatic launch behind the decode kernel (allow_dependent_launch): about 0.7 µs less at
-  // 1 x 1024 (docs/PERFORMANCE.md, log 55). Only for sm_90 code, and with a driver that captures
+  // 1 x 1024 (docs/PERFORMANCE.md, log 57). Only for sm_90 code, and with a driver that captures
   // programmatic dependencies into graphs (CUDA 12.3).
   cudaLaunchAttribute programmatic{};
   programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
