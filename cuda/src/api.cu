@@ -570,7 +570,6 @@ cudaError_t query_decode_device(const fp8kturbov_decode_params_t& p, DecodeDevic
   return err;
 }
 
-
 }  // namespace
 
 fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& p,

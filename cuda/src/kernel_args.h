@@ -172,7 +172,7 @@ struct DecodePlan {
   uint32_t num_splits;        // context splits per sequence
   int32_t split_tokens;       // positions per split, a multiple of the 16-token tile
   // Partials per split and query head. 1: a CTA's warps read one KV head, and the CTA merges their
-  // token streams. kDecodeWarps (head groups, decode_head_groups_allowed): a CTA's warps read
+  // token streams. kDecodeWarps (head groups, where the planner allows them): a CTA's warps read
   // kDecodeWarps neighbouring KV heads, warp w head w, all over one token stream of the split, and
   // each warp writes its head's partial.
   uint32_t stream_partials;
