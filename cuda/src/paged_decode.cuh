@@ -511,10 +511,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int lane = tid % 32;
   const int g = lane / 4;  // mma groupID
   const int t = lane % 4;  // mma threadID_in_group
-  // The warp's token stream (head groups: below).
-  const int stream = GROUPED ? int(blockIdx.x / plan.chunks_per_group % a.num_kv_heads % S::kStreams) : warp / S::kSlices;
-  const int slice = warp % S::kSlices;
-  const int slice_d0 = slice * S::kSliceDim;
 
   if constexpr (kArchHasTensorCopies) {
     if (maps.enabled && tid == 0) {  // the descriptors' fetch overlaps the prologue
@@ -538,6 +534,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // so that the warps of a CTA read the neighbouring heads' pieces of the same token rows together.
   const uint32_t first_kv_head = GROUPED ? cta_head / S::kStreams * S::kStreams : cta_head;
   const uint32_t kv_head = GROUPED ? first_kv_head + uint32_t(warp) : cta_head;
+  const int stream = GROUPED ? int(cta_head % S::kStreams) : warp / S::kSlices;
+  const int slice = warp % S::kSlices;
+  const int slice_d0 = slice * S::kSliceDim;
   uint32_t row0 = seq;
   int q_len = 1;
   if (EXTENDED && !sequence_query_rows(a, seq, row0, q_len)) {
@@ -1101,14 +1100,18 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     // The copies still in flight are of tiles past the end: drain them before the ring is reused.
     copy_async_wait<0>();
     allow_dependent_launch();
+    // The denominators reduced over the 8 lanes sharing t.
+  #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+  #pragma unroll
+      for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
+    }
     if constexpr (GROUPED) {
-      // Head groups: this warp's stream is a partial of its own KV head, written from its registers
-      // (the denominators reduced over the 8 lanes sharing t); the merge kernel combines them.
+      // Head groups: this warp's stream is a partial of its own KV head, written from its registers;
+      // the merge kernel combines them.
       const uint32_t partial = split * S::kStreams + uint32_t(stream);
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
-  #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
         const int column = 2 * t + c;
         if (column >= num_columns) continue;
         const uint64_t row = uint64_t(seq) * a.num_q_heads + column_head(column);
@@ -1125,12 +1128,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
     }
     __syncthreads();
 
-    // Per stream: reduce the denominators over the 8 lanes sharing t, publish O, max, denominator.
-  #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-  #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) run_denom[c] += __shfl_xor_sync(0xffffffffu, run_denom[c], o);
-    }
+    // Per stream: publish O, max, denominator.
     if (slice == 0 && g == 0) {
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
