@@ -493,12 +493,20 @@ def assert_head_groups_planned(**scalars) -> None:
     assert workspace_bytes > 0 and workspace_bytes % (4 * partial_bytes) == 0, (workspace_bytes, partial_bytes)
 
 
-@pytest.mark.parametrize("bits, head_dim", [(3, 128), (4, 256)])
-def test_decode_captured_in_a_graph_repeats_the_direct_launch(device, rng, bits, head_dim):
+@pytest.mark.parametrize("bits, head_dim, head_groups", [(3, 128, False), (4, 256, False), (3, 128, True)])
+def test_decode_captured_in_a_graph_repeats_the_direct_launch(device, rng, bits, head_dim, head_groups):
     """A split decode captured into a CUDA graph (on sm_90 with a CUDA 12.3 or later driver, the
     merge kernel joined to the decode kernel by a programmatic edge) and replayed twice over a
-    re-poisoned output writes what the launch outside the graph wrote, bit for bit (a fixed plan)."""
-    case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=[3001, 0, 1, 777, 1500])
+    re-poisoned output writes what the launch outside the graph wrote, bit for bit (a fixed plan).
+    Also with head groups, planned as in test_head_groups_with_options_match_reference."""
+    if head_groups:
+        seq_lens = rng.integers(0, 60, 64)
+        seq_lens[:3] = [2100, 1000, 0]
+        case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=seq_lens.tolist(), num_kv_heads=8,
+                          max_blocks_per_seq=512)
+        assert_head_groups_planned(**case.scalars())
+    else:
+        case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=[3001, 0, 1, 777, 1500])
     launch, out, poison = case.prepare(device, 0.0)
     launch()
     direct = device.download(out, poison)
