@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -66,8 +67,10 @@ def driver(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    """A generator with a fresh seed per test, printed and recorded so a failure can be replayed."""
-    seed = np.random.SeedSequence().entropy % 2**32
+    """A generator with a fresh seed per test, printed and recorded so a failure can be replayed:
+    FP8KTURBOV_TEST_SEED=<seed> gives the selected tests that seed instead."""
+    replayed = os.environ.get("FP8KTURBOV_TEST_SEED")
+    seed = int(replayed) if replayed else np.random.SeedSequence().entropy % 2**32
     request.node.user_properties.append(("seed", seed))
     print(f"seed = {seed}")
     return np.random.default_rng(seed)
