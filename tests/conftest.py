@@ -65,6 +65,19 @@ def driver(monkeypatch: pytest.MonkeyPatch):
     return fake
 
 
+def relative_error_per_head(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per (row, head): |got - want| / |want| over the last axis; where want is 0, |got| itself.
+    Below bf16's smallest normal magnitude the output holds no relative precision (the kernels'
+    fp32 arithmetic flushes such results to 0, and bf16's subnormals have a few bits at most), so
+    |want| counts as at least 100 times the norm of a row of smallest normals: a row of that size
+    or less, flushed or rounded, stays under 1e-2. (Such rows are real: a sink that outweighs a
+    short sequence's scores by e^90 gives outputs near 1e-40.)"""
+    num = np.linalg.norm(got - want, axis=-1)
+    den = np.linalg.norm(want, axis=-1)
+    floor = 100 * np.sqrt(want.shape[-1]) * float(np.finfo(np.float32).smallest_normal)  # bf16's too
+    return np.where(den > 0, num / np.maximum(den, floor), num)
+
+
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator with a fresh seed per test, printed and recorded so a failure can be replayed:

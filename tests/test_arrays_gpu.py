@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from conftest import shuffled_block_tables
+from conftest import relative_error_per_head, shuffled_block_tables
 from fp8kturbov import CacheLayout, DeviceBuffer, KVCache, ops
 from fp8kturbov import reference as ref
 
@@ -248,9 +248,7 @@ def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int,
     assert not np.isnan(got64).any()
     if q_lens is None:
         assert np.all(got64[seq_lens == 0] == 0)
-    num = np.linalg.norm(got64 - want, axis=-1)
-    den = np.linalg.norm(want, axis=-1)
-    err = np.where(den > 0, num / np.where(den > 0, den, 1), num)
+    err = relative_error_per_head(got64, want)
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
     raw_out = lib.to_device(np.full(got.shape, np.nan, dtype=BF16))

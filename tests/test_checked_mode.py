@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
+from conftest import relative_error_per_head
 from fp8kturbov import reference as ref
 from test_collateral_writes import (BF16, K_SCALE, KEY_PAD, PADDING, VALUE_PAD, DecodeSetup, Guarded,
                                     WriteLayout, assert_unchanged, bf16_rows)
@@ -158,12 +159,6 @@ def run_decode(device, rng, setup: DecodeSetup, split: bool, checked: bool) -> t
     return device.download(out, out_bytes).view(BF16).astype(np.float64), word.read(device.stream)
 
 
-def relative_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    num = np.linalg.norm(got - want, axis=-1)
-    den = np.linalg.norm(want, axis=-1)
-    return np.where(den > 0, num / np.where(den > 0, den, 1), num)
-
-
 class HeadGroupSetup(DecodeSetup):
     """8 KV heads and block tables of 65536 positions: with 64 sequences and 2- or 3-bit V the
     plan reads the KV heads in groups of 4 (its workspace holds 4 partials per split)."""
@@ -185,7 +180,7 @@ def test_checked_decode_of_valid_tables_matches_unchecked(device, rng, setup_typ
     checked, flags = run_decode(device, rng, setup, split, checked=True)
     assert flags == 0
     assert np.array_equal(checked, unchecked), "checked mode changed the result of valid tables"
-    assert relative_errors(checked, setup.reference()).max() <= 1e-2
+    assert relative_error_per_head(checked, setup.reference()).max() <= 1e-2
 
 
 @pytest.mark.parametrize("setup_type", SETUPS, ids=["page16", "page8"])
@@ -220,7 +215,7 @@ def check_out_of_range_pages_left_out(device, rng, setup: DecodeSetup, split: bo
     assert kept_lens[3] == 0 and kept_lens[0] < setup.seq_lens[0]
     assert np.all(got[3] == 0), "a sequence without any position left gives zeros"
     setup.block_tables[:setup.num_seqs], setup.seq_lens[:setup.num_seqs] = kept_tables, kept_lens
-    err = relative_errors(got, setup.reference())
+    err = relative_error_per_head(got, setup.reference())
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
 
@@ -238,7 +233,7 @@ def test_checked_decode_reports_and_clamps_seq_len(device, rng, setup_type, spli
     _, unchecked_flags = run_decode(device, rng, setup, split, checked=False)
     assert unchecked_flags == 0, "unchecked mode must not touch the word"
     setup.seq_lens[:2] = [0, capacity]
-    err = relative_errors(got, setup.reference())
+    err = relative_error_per_head(got, setup.reference())
     assert err.max() <= 1e-2, f"max relative error per head {err.max():.3g}"
 
 
@@ -251,7 +246,7 @@ def test_checked_decode_reports_both_kinds(device, rng):
     kept_tables, kept_lens = remaining_pages(setup, setup.block_tables[:2], setup.seq_lens[:2])
     assert kept_lens[0] == 48  # the three pages of 40 positions, now full; -7 entries dropped
     setup.block_tables[:2], setup.seq_lens[:2] = kept_tables, kept_lens
-    assert relative_errors(got, setup.reference()).max() <= 1e-2
+    assert relative_error_per_head(got, setup.reference()).max() <= 1e-2
 
 
 # ---- The Python layer ----------------------------------------------------------------------------

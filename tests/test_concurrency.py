@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from conftest import shuffled_block_tables
+from conftest import relative_error_per_head, shuffled_block_tables
 from fp8kturbov import reference as ref
 from fp8kturbov._lib import lib
 
@@ -280,9 +280,7 @@ def assert_matches_reference(job: Job, got: Result, what: str) -> None:
     out = got.output.view(BF16).astype(np.float64)
     assert not np.isnan(out).any(), f"{what}: an output element was left unwritten (poison NaN)"
     assert np.all(out[:, 0] == 0), f"{what}: sequence 0 (seq_len 0) must give zeros"
-    num = np.linalg.norm(out - want_out, axis=-1)
-    den = np.linalg.norm(want_out, axis=-1)
-    err = np.where(den > 0, num / np.where(den > 0, den, 1), num)
+    err = relative_error_per_head(out, want_out)
     assert err.max() <= 1e-2, f"{what}: max relative error per head {err.max():.3g}"
 
 

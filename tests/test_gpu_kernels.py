@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from conftest import shuffled_block_tables
+from conftest import relative_error_per_head, shuffled_block_tables
 from fp8kturbov import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -312,12 +312,6 @@ class DecodeCase:
                 **multi_token)
 
         return launch, out, poison
-
-
-def relative_error_per_head(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    num = np.linalg.norm(got - want, axis=-1)
-    den = np.linalg.norm(want, axis=-1)
-    return np.where(den > 0, num / np.where(den > 0, den, 1), num)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
