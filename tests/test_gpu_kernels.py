@@ -487,18 +487,26 @@ def assert_head_groups_planned(**scalars) -> None:
     assert workspace_bytes > 0 and workspace_bytes % (4 * partial_bytes) == 0, (workspace_bytes, partial_bytes)
 
 
+def head_group_case(rng, bits, q_gain=1.0) -> DecodeCase:
+    """64 sequences over 8 KV heads (GQA 4, head_dim 128) with tables of 8192 positions: the plan
+    reads the KV heads in groups of 4 (asserted). Sequences of 2100, 1000 and 0 positions, the rest
+    short."""
+    seq_lens = rng.integers(0, 60, 64)
+    seq_lens[:3] = [2100, 1000, 0]
+    case = DecodeCase(rng, bits, 128, 4, 0, q_gain=q_gain, seq_lens=seq_lens.tolist(), num_kv_heads=8,
+                      max_blocks_per_seq=512)
+    assert_head_groups_planned(**case.scalars())
+    return case
+
+
 @pytest.mark.parametrize("bits, head_dim, head_groups", [(3, 128, False), (4, 256, False), (3, 128, True)])
 def test_decode_captured_in_a_graph_repeats_the_direct_launch(device, rng, bits, head_dim, head_groups):
     """A split decode captured into a CUDA graph (on sm_90 with a CUDA 12.3 or later driver, the
     merge kernel joined to the decode kernel by a programmatic edge) and replayed twice over a
     re-poisoned output writes what the launch outside the graph wrote, bit for bit (a fixed plan).
-    Also with head groups, planned as in test_head_groups_with_options_match_reference."""
+    Also with head groups (head_group_case)."""
     if head_groups:
-        seq_lens = rng.integers(0, 60, 64)
-        seq_lens[:3] = [2100, 1000, 0]
-        case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=seq_lens.tolist(), num_kv_heads=8,
-                          max_blocks_per_seq=512)
-        assert_head_groups_planned(**case.scalars())
+        case = head_group_case(rng, bits)
     else:
         case = DecodeCase(rng, bits, head_dim, 4, 0, seq_lens=[3001, 0, 1, 777, 1500])
     launch, out, poison = case.prepare(device, 0.0)
@@ -550,11 +558,7 @@ def test_head_groups_match_reference(device, rng, bits, head_dim, group_size, nu
 def test_head_groups_with_options_match_reference(device, rng, bits, options):
     """Head groups (as above) with attention sinks, soft-capping or sparse V, whose merge and
     votes then run per warp."""
-    seq_lens = rng.integers(0, 60, 64)
-    seq_lens[:3] = [2100, 1000, 0]
-    case = DecodeCase(rng, bits, 128, 4, 0, q_gain=4.0, seq_lens=seq_lens.tolist(), num_kv_heads=8,
-                      max_blocks_per_seq=512)
-    assert_head_groups_planned(**case.scalars())
+    case = head_group_case(rng, bits, q_gain=4.0)
     sinks = rng.standard_normal(case.num_q_heads).astype(np.float32) * 3 if options == "sinks" else None
     soft_cap = 5.0 if options == "soft_cap" else 0.0
     tau = 1e-3 if options == "sparse_v" else 0.0
