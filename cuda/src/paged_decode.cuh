@@ -1303,13 +1303,26 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   a.output[out_row * HEAD_DIM + tid] = __bfloat16_as_ushort(__float2bfloat16(out));
 }
 
-// The decode kernel instance for a pool layout (code copy width), EXTENDED and GROUPED.
+// A decode kernel instance and the dynamic shared memory it runs with.
+struct DecodeInstance {
+  const void* kernel;  // null where the instance is not built
+  int smem_bytes;
+};
+
+// The decode kernel instance for a pool layout (wide_code_copy: the shape's widest code copy, else
+// 4 bytes), EXTENDED and GROUPED. Head groups are built for some shapes only, and for the default
+// decode only.
 template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED = false>
-const void* decode_kernel_for(const DecodeArgs& args) {
-  constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
-  return args.v_code_copy_bytes >= kWideCopy
-             ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED, GROUPED>)
-             : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED, GROUPED>);
+DecodeInstance decode_instance(bool wide_code_copy) {
+  if constexpr (GROUPED && (EXTENDED || !decode_head_groups_built(BITS, HEAD_DIM))) {
+    return {nullptr, 0};
+  } else {
+    constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
+    const void* kernel =
+        wide_code_copy ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED, GROUPED>)
+                       : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED, GROUPED>);
+    return {kernel, DecodeSmem<BITS, HEAD_DIM, GROUPED>::kBytes};
+  }
 }
 
 // A positive value per device that the runtime is asked once (get: 0 where not asked yet, or for a
@@ -1432,15 +1445,11 @@ constexpr unsigned kDecodeClusterCtas = 4;
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, cudaStream_t stream) {
   const bool extended = args.query_start != nullptr || args.rotated_v;
-  const void* kernel = extended ? decode_kernel_for<BITS, HEAD_DIM, true>(args)
-                                : decode_kernel_for<BITS, HEAD_DIM, false>(args);
-  int smem_bytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
-  if constexpr (decode_head_groups_built(BITS, HEAD_DIM)) {
-    if (plan.stream_partials > 1) {  // head groups: the planner allows them for the default decode only
-      kernel = decode_kernel_for<BITS, HEAD_DIM, false, true>(args);
-      smem_bytes = DecodeSmem<BITS, HEAD_DIM, true>::kBytes;
-    }
-  }
+  const bool wide_code_copy = args.v_code_copy_bytes >= DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
+  // Head groups (stream_partials > 1): the planner allows them for the default decode only.
+  const auto [kernel, smem_bytes] = plan.stream_partials > 1 ? decode_instance<BITS, HEAD_DIM, false, true>(wide_code_copy)
+                                    : extended               ? decode_instance<BITS, HEAD_DIM, true>(wide_code_copy)
+                                                             : decode_instance<BITS, HEAD_DIM, false>(wide_code_copy);
   // Set on every launch: the attribute belongs to the current device's copy of the kernel. It is
   // not a stream operation, so launches stay capturable.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
@@ -1500,19 +1509,13 @@ cudaError_t decode_ctas_per_sm(int device, bool head_groups, int* count) {
   static PerDeviceCache caches[2];  // the answers depend on the device only
   PerDeviceCache& cache = caches[head_groups];
   if ((*count = cache.get(device)) > 0) return cudaSuccess;
-  constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
   // The default (not EXTENDED) kernel's: all instances but the head groups' share the launch bounds
   // and shared memory size; the head groups' hold more query rows.
-  const void* kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false, false>);
-  int smem_bytes = DecodeSmem<BITS, HEAD_DIM>::kBytes;
-  if (head_groups) {
-    if constexpr (!decode_head_groups_built(BITS, HEAD_DIM)) {
-      *count = 0;
-      return cudaSuccess;
-    } else {
-      kernel = reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, false, true>);
-      smem_bytes = DecodeSmem<BITS, HEAD_DIM, true>::kBytes;
-    }
+  const auto [kernel, smem_bytes] =
+      head_groups ? decode_instance<BITS, HEAD_DIM, false, true>(true) : decode_instance<BITS, HEAD_DIM, false>(true);
+  if (kernel == nullptr) {  // head groups not built for this shape
+    *count = 0;
+    return cudaSuccess;
   }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kDecodeThreads, smem_bytes);
