@@ -225,7 +225,7 @@ def test_struct_mirror_matches_c_layout(tag, c_struct_layout):
 ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_encoder", "v_rotation"]],
                 "fp8kturbov_decode_params": [["num_blocks", "error_flags"],
                                              ["sinks", "soft_cap", "query_start", "max_q_len", "num_query_rows",
-                                              "v_rotation"]],
+                                              "v_rotation"], ["block_tables_stride"]],
                 "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]]}
 
 
@@ -418,7 +418,8 @@ class Entry(EntryPoint):
         if self.bits is None:
             args.update(v_bits=bits, num_blocks=0, error_flags=0)
             if self.op == "decode":
-                args.update(k_block_stride_bytes=sizes["k_page_bytes"], sparse_v_threshold=1e-3)
+                args.update(k_block_stride_bytes=sizes["k_page_bytes"], sparse_v_threshold=1e-3,
+                            block_tables_stride=0)
         return args
 
     def call(self, args: dict[str, Any]) -> None:
@@ -507,6 +508,8 @@ BAD = [
     Bad("num_seqs_over_int32", _set(num_seqs=2**31), named=("num_seqs",), ops=("decode",)),
     Bad("block_size_0", _set(block_size=0), named=("block_size",)),
     Bad("max_blocks_per_seq_0", _set(max_blocks_per_seq=0), named=("max_blocks_per_seq",), ops=("decode",)),
+    Bad("block_tables_stride_short", lambda a: {"block_tables_stride": a["max_blocks_per_seq"] - 1},
+        named=("block_tables_stride", "max_blocks_per_seq"), ops=("decode",)),
     Bad("positions_over_int32", _set(max_blocks_per_seq=2**27), ops=("decode",),
         text=lambda a: (f"max_blocks_per_seq * block_size = {2**27} * {a['block_size']}",)),
     Bad("row_over_uint32", _set(num_kv_heads=2**28, head_dim=32), ops=("write",),
@@ -606,6 +609,8 @@ GOOD = [
                                           "v_block_stride_bytes": a["v_block_stride_bytes"] + 16},
          ops=("write",)),
     Case("k_stride_0_means_packed", _set(k_block_stride_bytes=0), ops=("decode",)),
+    *[Case(f"block_tables_stride_{name}", lambda a, extra=extra: {"block_tables_stride": a["max_blocks_per_seq"] + extra},
+           ops=("decode",)) for name, extra in (("equal", 0), ("wider", 5))],
     Case("mha", lambda a: {"num_q_heads": a["num_kv_heads"]}),
     Case("gqa_8", lambda a: {"num_q_heads": 8 * a["num_kv_heads"], "q_stride": 8 * a["q_stride"]}),
     Case("padded_rows", lambda a: {"key_stride": a["key_stride"] + 3, "value_stride": a["value_stride"] + 5}),

@@ -404,8 +404,20 @@ def test_decode_passes_shapes_strides_defaults_and_returns_out(make, launches):
                       num_q_heads=HQ, inv_sqrt_d=D ** -0.5, k_scale=K_SCALE, q_stride=HQ * D + 8, sliding_window=7,
                       sparse_v_threshold=1e-3, workspace=workspace.ptr, workspace_bytes=4000,
                       sinks=0, soft_cap=0.0, query_start=0, max_q_len=0, num_query_rows=0,
-                      v_rotation=fp8kturbov.VRotation.NONE, stream=kw["stream"], **LAYOUT_ARGS,
-                      **UNCHECKED_ARGS)
+                      v_rotation=fp8kturbov.VRotation.NONE, block_tables_stride=MAX_BLOCKS,
+                      stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+
+
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_decode_passes_the_row_stride_of_a_column_slice_of_block_tables(make, launches, multi_token):
+    """block_tables[:, :pages] of a wider table: max_blocks_per_seq is the slice's width and
+    block_tables_stride its row stride (elements)."""
+    args = multi_token_decode_args(make) if multi_token else decode_args(make)
+    args["block_tables"] = make((S, MAX_BLOCKS), "int32", strides=(MAX_BLOCKS + 5, 1))
+    fp8kturbov.paged_decode(cache=make_cache(), **args)
+    kw = launched(launches, "paged_decode_attn")
+    assert (kw["block_tables"], kw["max_blocks_per_seq"], kw["block_tables_stride"]) == (
+        args["block_tables"].ptr, MAX_BLOCKS, MAX_BLOCKS + 5)
 
 
 def test_decode_passes_query_start_and_takes_num_seqs_from_the_block_tables(make, launches):
@@ -566,6 +578,8 @@ DECODE_ERRORS = {
     "tables rows": ("block_tables", lambda m: m((S + 1, MAX_BLOCKS), "int32"), "shape"),
     "tables transposed": ("block_tables",
                           lambda m: m((S, MAX_BLOCKS), "int32", strides=(1, S)), "strides"),
+    "tables rows overlap": ("block_tables",
+                            lambda m: m((S, MAX_BLOCKS), "int32", strides=(MAX_BLOCKS - 1, 1)), "row stride"),
     "lens dtype": ("seq_lens", lambda m: m((S,), "int64"), "dtype int64"),
     "lens length": ("seq_lens", lambda m: m((S + 2,), "int32"), "shape"),
     "out dtype": ("out", lambda m: m((S, HQ, D), "float16"), "dtype float16"),

@@ -200,10 +200,13 @@ def check_write(lib: TorchArrays, cache: KVCache, rng, streams_of) -> None:
 
 # ---- Decode ----------------------------------------------------------------------------------------
 def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int,
-                 q_lens: list[int] | None = None) -> None:
+                 q_lens: list[int] | None = None, table_slice: bool = False) -> None:
     """paged_decode on a current non-default stream: padded q rows, out allocated like q, the
     cache's own workspace, exact softmax (sparse_v_threshold = 0). ``q_lens``: a multi-token
-    decode with these query tokens per sequence (query_start on the device); None: one each."""
+    decode with these query tokens per sequence (query_start on the device); None: one each.
+    ``table_slice``: block_tables is the column slice of the batch's pages of a wider device table
+    (whose other entries are pages far outside the pools), as an engine with rows sized for a
+    longer context passes it."""
     layout = cache.layout
     heads, dim, block = layout.num_kv_heads, layout.head_dim, layout.block_size
     n, num_slots = layout.row_elems, layout.num_slots
@@ -225,7 +228,11 @@ def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int,
     max_q_len = 1 if q_lens is None else max(q_lens)
     q_stride = num_q_heads * dim + 8
     q_host = bf16_rows(rng, num_rows, num_q_heads * dim, q_stride)
-    q_rows, tables_dev, lens_dev = (lib.to_device(a) for a in (q_host, tables, seq_lens))
+    q_rows, lens_dev = lib.to_device(q_host), lib.to_device(seq_lens)
+    table_width = 2 * max_blocks + 3 if table_slice else max_blocks
+    wide = np.full((num_seqs, table_width), np.iinfo(np.int32).max, dtype=np.int32)
+    wide[:, :max_blocks] = tables
+    tables_dev = lib.to_device(wide)[:, :max_blocks]
     q = q_rows[:, :num_q_heads * dim].reshape(num_rows, num_q_heads, dim)
     multi_token = {} if q_lens is None else dict(query_start=lib.to_device(query_start),
                                                  max_q_len=max_q_len)
@@ -257,7 +264,7 @@ def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int,
     lib.synchronize()
     ops.paged_decode_attn(
         lib.ptr(q_rows), cache.k_ptr, cache.v_ptr, lib.ptr(raw_out), lib.ptr(tables_dev),
-        lib.ptr(lens_dev), max_blocks_per_seq=max_blocks, num_seqs=num_seqs,
+        lib.ptr(lens_dev), max_blocks_per_seq=max_blocks, block_tables_stride=table_width, num_seqs=num_seqs,
         num_q_heads=num_q_heads, inv_sqrt_d=dim ** -0.5, k_scale=K_SCALE, q_stride=q_stride,
         sliding_window=window, sparse_v_threshold=0.0, workspace=address(lib, workspace),
         workspace_bytes=workspace.nbytes, **raw_multi_token, **cache._layout_args())
@@ -272,6 +279,15 @@ def test_decode(rng, streams_of, library, bits, window):
     lib = LIBRARIES[library]()
     with KVCache.allocate(layout_for(bits), K_SCALE, backend=lib.backend) as cache:
         check_decode(lib, cache, rng, streams_of, window)
+
+
+@pytest.mark.parametrize("library", list(LIBRARIES))
+def test_decode_from_a_column_slice_of_a_wider_table(rng, streams_of, library):
+    """block_tables[:, :pages] of a table whose rows are sized for a longer context: its row
+    stride reaches the library (block_tables_stride), which reads only the slice."""
+    lib = LIBRARIES[library]()
+    with KVCache.allocate(layout_for(3), K_SCALE, backend=lib.backend) as cache:
+        check_decode(lib, cache, rng, streams_of, 0, table_slice=True)
 
 
 @pytest.mark.parametrize("window", [0, 40])

@@ -103,7 +103,7 @@ V1_SIZES = {op: sizes[0] for op, sizes in OLD_SIZES.items()}
 # How the library reads a version-1 struct's tail (unchecked, the default V encoder, no sinks, no
 # soft-capping, one query row per sequence).
 UNCHECKED = {"num_blocks": 0, "error_flags": 0, "v_encoder": 0, "sinks": 0, "soft_cap": 0.0,
-             "query_start": 0, "max_q_len": 0, "num_query_rows": 0, "v_rotation": 0}
+             "query_start": 0, "max_q_len": 0, "num_query_rows": 0, "v_rotation": 0, "block_tables_stride": 0}
 FIXED_PARAMS = {"write": _fixed_launcher_params("FP8KTURBOV_DECLARE_WRITE"),
                 "decode": _fixed_launcher_params("FP8KTURBOV_DECLARE_DECODE")}
 assert all(names[-1] == "stream" for names in FIXED_PARAMS.values()), FIXED_PARAMS
@@ -231,6 +231,7 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
             e.rule(a["num_seqs"] > I32_MAX, V, "num_seqs = ", decided=False)
         e.rule(mb == 0, V, "max_blocks_per_seq = ")
         e.rule(mb * bs > I32_MAX, V, "max_blocks_per_seq * block_size = ")
+        e.rule(0 < get("block_tables_stride") < mb, V, "block_tables_stride = ")
         e.rule(a["q_stride"] < nq * hd, V, "q_stride = ")
         inv_sqrt_d = f32(a["inv_sqrt_d"])
         e.rule(not math.isfinite(inv_sqrt_d), V, "inv_sqrt_d = ")
@@ -354,8 +355,10 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                     k_block_stride_bytes=k_page + 16 * draw(st.integers(0, 4)))
     else:
         num_q_heads = num_kv_heads * draw(st.integers(1, 8))
-        args.update(num_seqs=draw(work), num_q_heads=num_q_heads,
-                    max_blocks_per_seq=draw(st.integers(1, 1024)),
+        max_blocks_per_seq = draw(st.integers(1, 1024))
+        args.update(num_seqs=draw(work), num_q_heads=num_q_heads, max_blocks_per_seq=max_blocks_per_seq,
+                    block_tables_stride=draw(st.one_of(st.just(0), st.just(max_blocks_per_seq),
+                                                       st.integers(max_blocks_per_seq, U64_MAX))),
                     inv_sqrt_d=draw(st.floats(-(2.0**80), 2.0**80, width=32).filter(
                         lambda x: x == 0 or np.float32(x) * np.float32(k_scale) != 0)),
                     q_stride=num_q_heads * head_dim + draw(st.integers(0, 64)),

@@ -284,13 +284,21 @@ class DecodeCase:
         launch()
         return device.download(out, poison).view(BF16).astype(np.float64)
 
-    def prepare(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0):
+    def prepare(self, device, sparse_v_threshold, *, split=True, sinks=None, soft_cap=0.0,
+                table_width=None):
         """The device buffers of one decode: ``(launch, out, poison)``, where ``launch()`` enqueues
         it on ``device.stream`` and ``out`` is the address of its output, filled with ``poison``
         (bf16 NaN bits). With ``split`` the context is split over CTAs (workspace given,
         poisoned), else each (sequence, KV head) runs in one CTA. ``sinks``: float32
-        [num_q_heads] or None; ``soft_cap``: 0 = off."""
+        [num_q_heads] or None; ``soft_cap``: 0 = off. ``table_width``: block-table rows of that
+        many entries (``block_tables_stride``), the table's in their first ``max_blocks_per_seq``
+        and INT32_MAX, a page far outside the pools, in the rest; None: rows as wide as the table."""
         scalars = self.scalars(sparse_v_threshold)
+        tables, table_args = self.block_tables, {}
+        if table_width is not None:
+            tables = np.full((self.num_seqs, table_width), np.iinfo(np.int32).max, dtype=np.int32)
+            tables[:, :self.max_blocks_per_seq] = self.block_tables
+            table_args["block_tables_stride"] = table_width
         multi_token = self.multi_token_scalars()
         workspace_bytes = (fp8kturbov.paged_decode_workspace_bytes(
             **scalars, max_q_len=multi_token.get("max_q_len", 0)) if split else 0)
@@ -301,15 +309,14 @@ class DecodeCase:
         poison = np.full(out_shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN
         out = device.upload(poison)
         pointers = (device.upload(self.q.view(np.uint16)), device.upload(self.k_pool),
-                    device.upload(self.v_pool), out, device.upload(self.block_tables),
-                    device.upload(self.seq_lens))
+                    device.upload(self.v_pool), out, device.upload(tables), device.upload(self.seq_lens))
         sinks_address = 0 if sinks is None else device.upload(np.asarray(sinks, dtype=np.float32))
 
         def launch():
             fp8kturbov.paged_decode_attn(
                 *pointers, workspace=workspace, workspace_bytes=workspace_bytes, sinks=sinks_address,
                 soft_cap=soft_cap, v_rotation=int(self.rotation), stream=device.stream, **scalars,
-                **multi_token)
+                **multi_token, **table_args)
 
         return launch, out, poison
 
@@ -520,6 +527,23 @@ def test_decode_captured_in_a_graph_repeats_the_direct_launch(device, rng, bits,
         device.write(out, poison)
         device.replay(graph)
         assert np.array_equal(device.download(out, poison), direct), "the graph's replay differs"
+
+
+@pytest.mark.parametrize("plan", ["split", "head_groups"])
+def test_wider_table_rows_decode_as_the_compact_table(device, rng, plan):
+    """Block-table rows wider than max_blocks_per_seq (block_tables_stride), as an engine's rows
+    sized for its longest context: the decode reads the first max_blocks_per_seq entries of each
+    row and plans as for the compact table, so its output is the compact table's bit for bit. The
+    entries past them are pages far outside the pools, which would fault if read."""
+    if plan == "head_groups":
+        case = head_group_case(rng, 3)
+    else:
+        case = DecodeCase(rng, 3, 128, 4, 0, seq_lens=[3001, 0, 1, 777, 1500])
+    compact = case.run(device, 0.0)
+    assert not np.isnan(compact).any(), "an output element was left unwritten (poison NaN)"
+    assert relative_error_per_head(compact, case.reference()).max() <= 1e-2
+    wide = case.run(device, 0.0, table_width=2 * case.max_blocks_per_seq + 3)
+    assert np.array_equal(wide, compact), "wider rows changed the output"
 
 
 @pytest.mark.parametrize("bits, head_dim, group_size, num_kv_heads, block_size, window", [

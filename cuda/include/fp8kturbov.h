@@ -37,7 +37,7 @@ extern "C" {
 
 /* ---- Versions ------------------------------------------------------------------------------ */
 #define FP8KTURBOV_VERSION_MAJOR 0
-#define FP8KTURBOV_VERSION_MINOR 3
+#define FP8KTURBOV_VERSION_MINOR 4
 #define FP8KTURBOV_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define FP8KTURBOV_VERSION \
@@ -101,7 +101,8 @@ typedef enum fp8kturbov_index_error {
 /* struct_size: each params struct accepts the size of this header's struct and those of its
  * earlier versions (FP8KTURBOV_*_PARAMS_V1_SIZE: library 0.1, without the checked-mode fields;
  * FP8KTURBOV_{WRITE,DECODE}_PARAMS_V2_SIZE: library 0.2, without v_encoder / sinks, soft_cap
- * and the multi-token fields),
+ * and the multi-token fields; FP8KTURBOV_DECODE_PARAMS_V3_SIZE: library 0.3, without
+ * block_tables_stride),
  * whose missing fields read as 0.
  *
  * Initialising a params struct: fp8kturbov_*_params_init writes the whole struct of the library
@@ -215,9 +216,18 @@ FP8KTURBOV_DECLARE_WRITE(4)
  *                the rows listed there.
  *  output        bf16, dense [rows][num_q_heads][head_dim] (rows = num_seqs, or num_query_rows);
  *                a row with no position to attend (seq_len 0) gets zeros.
- *  block_tables  int32 [num_seqs][max_blocks_per_seq], page ids.
+ *  block_tables  int32 [num_seqs][max_blocks_per_seq], page ids; with block_tables_stride
+ *                (params only), rows that many entries apart, of which the decode reads the
+ *                first max_blocks_per_seq.
  *  seq_lens      int32 [num_seqs], cached positions per sequence (the new token included),
  *                0 <= seq_len <= max_blocks_per_seq*block_size.
+ *  max_blocks_per_seq  the pages per sequence that the decode may read. The split plan is sized
+ *                for that many positions, not for seq_lens (device memory, which the host does
+ *                not read): an engine whose table rows are sized for its longest context passes
+ *                the row width as block_tables_stride and, as max_blocks_per_seq, the pages of
+ *                the batch's longest sequence, so that short batches get a plan for their length.
+ *  block_tables_stride  (params only) int32 entries between rows of block_tables,
+ *                >= max_blocks_per_seq; 0 = max_blocks_per_seq.
  *  inv_sqrt_d    softmax scale (score = (q . k) * inv_sqrt_d).
  *  sliding_window  0 = off, else only the last sliding_window positions are attended.
  *  sparse_v_threshold  (params only) the V row of a position whose unnormalised weight
@@ -281,9 +291,11 @@ typedef struct fp8kturbov_decode_params {
   uint32_t max_q_len;         /* 1..16 with query_start */
   uint32_t num_query_rows;    /* rows of q and output with query_start */
   uint32_t v_rotation;        /* fp8kturbov_v_rotation_t the cache was written with; default none */
+  uint64_t block_tables_stride; /* int32 entries between rows of block_tables; 0 = max_blocks_per_seq */
 } fp8kturbov_decode_params_t;
 #define FP8KTURBOV_DECODE_PARAMS_V1_SIZE 144
 #define FP8KTURBOV_DECODE_PARAMS_V2_SIZE 160
+#define FP8KTURBOV_DECODE_PARAMS_V3_SIZE 200
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, sparse_v_threshold = 1e-3,
  * everything else zero). */

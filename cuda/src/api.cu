@@ -164,7 +164,8 @@ fp8kturbov_status_t init_params(const char* entry, Params* params, size_t size,
 }
 constexpr size_t kWriteParamsVersions[] = {FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8KTURBOV_WRITE_PARAMS_V2_SIZE};
 constexpr size_t kDequantizeParamsVersions[] = {FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE};
-constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE, FP8KTURBOV_DECODE_PARAMS_V2_SIZE};
+constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE, FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
+                                             FP8KTURBOV_DECODE_PARAMS_V3_SIZE};
 static_assert(offsetof(fp8kturbov_write_params_t, num_blocks) == FP8KTURBOV_WRITE_PARAMS_V1_SIZE,
               "the version-1 write struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_write_params_t, v_encoder) == FP8KTURBOV_WRITE_PARAMS_V2_SIZE,
@@ -175,6 +176,9 @@ static_assert(offsetof(fp8kturbov_decode_params_t, num_blocks) == FP8KTURBOV_DEC
               "the version-1 decode struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_decode_params_t, sinks) == FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
               "the version-2 decode struct ends where sinks begins");
+static_assert(offsetof(fp8kturbov_decode_params_t, block_tables_stride) == FP8KTURBOV_DECODE_PARAMS_V3_SIZE &&
+                  sizeof(fp8kturbov_decode_params_t) > FP8KTURBOV_DECODE_PARAMS_V3_SIZE,
+              "the version-3 decode struct ends where block_tables_stride begins");
 
 // The kernels' IndexCheck from the checked-mode fields. Checked mode (num_blocks > 0) needs the
 // device word it reports to; called where the entry's other pointers are checked.
@@ -399,6 +403,10 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "max_blocks_per_seq * block_size = %u * %u exceeds 2^31 - 1 positions",
                 p.max_blocks_per_seq, p.block_size);
+  if (p.block_tables_stride != 0 && p.block_tables_stride < p.max_blocks_per_seq)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "block_tables_stride = %" PRIu64 " is less than max_blocks_per_seq = %u", p.block_tables_stride,
+                p.max_blocks_per_seq);
   const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
   const uint64_t q_row_elems = uint64_t(p.num_q_heads) * p.head_dim;
   if (p.q_stride < q_row_elems)
@@ -616,6 +624,7 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                         p.block_tables,
                         p.seq_lens,
                         p.max_blocks_per_seq,
+                        p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq,
                         p.num_seqs,
                         p.num_q_heads,
                         p.num_kv_heads,

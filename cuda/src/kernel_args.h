@@ -59,7 +59,8 @@ struct DecodeArgs {
   uint16_t* output;  // bf16 bits
   const int32_t* block_tables;
   const int32_t* seq_lens;
-  uint32_t max_blocks_per_seq;
+  uint32_t max_blocks_per_seq;   // pages of a row that the decode reads
+  uint64_t block_tables_stride;  // entries between rows of block_tables (>= max_blocks_per_seq)
   uint32_t num_seqs;
   uint32_t num_q_heads;
   uint32_t num_kv_heads;

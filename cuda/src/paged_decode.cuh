@@ -624,7 +624,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   const int range_end = int(split_end < attend_end ? split_end : attend_end);
   const bool tile_in_one_page = a.block_size % kTileTokens == 0;
 
-  const int32_t* table = a.block_tables + uint64_t(seq) * a.max_blocks_per_seq;
+  const int32_t* table = a.block_tables + seq * a.block_tables_stride;
 
   // Only a CTA that finds a page out of range masks tiles in its loop; the others run the loop of
   // the unchecked kernel.

@@ -43,7 +43,7 @@ from .ops import (
     stream_handle,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "ABI_VERSION", "ArgumentError", "BadStructSizeError", "CacheIndexError", "CacheLayout",

@@ -115,6 +115,7 @@ class DecodeParams(ctypes.Structure):
         ("max_q_len", _u32),
         ("num_query_rows", _u32),
         ("v_rotation", _u32),
+        ("block_tables_stride", _u64),
     ]
 
 

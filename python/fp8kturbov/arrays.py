@@ -855,8 +855,12 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     ``q``: bf16 ``[num_seqs, num_q_heads, head_dim]`` (with ``query_start``:
     ``[num_query_rows, num_q_heads, head_dim]``), heads contiguous, any row stride (ELEMENTS) of at
     least ``num_q_heads*head_dim``; ``num_q_heads`` a multiple of the cache's ``num_kv_heads``.
-    ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``, contiguous. ``seq_lens``: int32
-    ``[num_seqs]``, contiguous. ``out``: bf16, dense, q's shape; None allocates it like q (torch or
+    ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``, rows contiguous, any row stride
+    (ELEMENTS) of at least ``max_blocks_per_seq``. The split plan is sized for
+    ``max_blocks_per_seq * block_size`` positions, not for ``seq_lens``: where an engine's table
+    rows are sized for its longest context, pass the column slice of the batch's pages
+    (``block_tables[:, :pages]``, pages enough for its longest sequence), and size the workspace
+    with the same ``max_blocks_per_seq``. ``seq_lens``: int32 ``[num_seqs]``, contiguous. ``out``: bf16, dense, q's shape; None allocates it like q (torch or
     CuPy q only; on their allocator's current stream). ``inv_sqrt_d`` defaults to
     ``head_dim**-0.5``; ``sliding_window`` 0 is off; ``sparse_v_threshold`` 0 is exact.
     ``workspace``: any contiguous writable device array (its size in BYTES is passed), e.g. from
@@ -901,7 +905,8 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     if call.get("sinks") is not None:
         _check_array(call["sinks"], "float32", (num_q_heads,), f"[{num_q_heads}] (num_q_heads)")
     if multi_token:
-        _check_array(call["block_tables"], "int32", (None, None), "[num_seqs, max_blocks_per_seq]")
+        _check_array(call["block_tables"], "int32", (None, None), "[num_seqs, max_blocks_per_seq]",
+                     dense_from=1)
         num_seqs = call["block_tables"].shape[0]
         _check_array(call["query_start"], "int32", (num_seqs + 1,),
                      f"[{num_seqs + 1}] (num_seqs + 1)")
@@ -910,8 +915,10 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     else:
         num_seqs = num_rows
         _check_array(call["block_tables"], "int32", (num_seqs, None),
-                     f"[{num_seqs} (num_seqs), max_blocks_per_seq]")
+                     f"[{num_seqs} (num_seqs), max_blocks_per_seq]", dense_from=1)
         query_row_args = dict(query_start=0, max_q_len=0, num_query_rows=0)
+    max_blocks_per_seq = call["block_tables"].shape[1]
+    block_tables_stride = _row_stride(call["block_tables"], max_blocks_per_seq)
     _check_array(call["seq_lens"], "int32", (num_seqs,), f"[{num_seqs}] (num_seqs)")
     _check_array(call["out"], "bfloat16", q_array.shape, f"{list(q_array.shape)} (as q)")
     _check_writable(call["out"])
@@ -923,7 +930,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
         ops.paged_decode_attn(
             q=q_array.ptr, k_cache=cache.k_ptr, v_cache=cache.v_ptr, output=call["out"].ptr,
             block_tables=call["block_tables"].ptr, seq_lens=call["seq_lens"].ptr,
-            max_blocks_per_seq=call["block_tables"].shape[1],
+            max_blocks_per_seq=max_blocks_per_seq, block_tables_stride=block_tables_stride,
             num_seqs=num_seqs, num_q_heads=num_q_heads,
             inv_sqrt_d=dim ** -0.5 if inv_sqrt_d is None else inv_sqrt_d, k_scale=cache.k_scale,
             q_stride=q_stride, sliding_window=sliding_window,

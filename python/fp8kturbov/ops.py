@@ -150,9 +150,14 @@ def paged_decode_attn(
     k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
     workspace: int = 0, workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0,
     sinks: int = 0, soft_cap: float = 0.0, query_start: int = 0, max_q_len: int = 0,
-    num_query_rows: int = 0, v_rotation: int = 0, stream: Any = None,
+    num_query_rows: int = 0, v_rotation: int = 0, block_tables_stride: int = 0, stream: Any = None,
 ) -> None:
     """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
+
+    ``block_tables_stride``: int32 entries (ELEMENTS) between rows of ``block_tables``, at least
+    ``max_blocks_per_seq`` (0 = ``max_blocks_per_seq``). The split plan is sized for
+    ``max_blocks_per_seq * block_size`` positions: with rows sized for an engine's longest context,
+    pass their width here and the pages of the batch's longest sequence as ``max_blocks_per_seq``.
 
     ``v_rotation``: the :class:`~fp8kturbov.VRotation` the cache was written with; with
     ``HADAMARD`` each output head is rotated back.
