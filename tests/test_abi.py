@@ -609,8 +609,9 @@ GOOD = [
                                           "v_block_stride_bytes": a["v_block_stride_bytes"] + 16},
          ops=("write",)),
     Case("k_stride_0_means_packed", _set(k_block_stride_bytes=0), ops=("decode",)),
-    *[Case(f"block_tables_stride_{name}", lambda a, extra=extra: {"block_tables_stride": a["max_blocks_per_seq"] + extra},
-           ops=("decode",)) for name, extra in (("equal", 0), ("wider", 5))],
+    *[Case(f"block_tables_stride_{name}",
+           lambda a, extra=extra: {"block_tables_stride": a["max_blocks_per_seq"] + extra}, ops=("decode",))
+      for name, extra in (("equal", 0), ("wider", 5))],
     Case("mha", lambda a: {"num_q_heads": a["num_kv_heads"]}),
     Case("gqa_8", lambda a: {"num_q_heads": 8 * a["num_kv_heads"], "q_stride": 8 * a["q_stride"]}),
     Case("padded_rows", lambda a: {"key_stride": a["key_stride"] + 3, "value_stride": a["value_stride"] + 5}),

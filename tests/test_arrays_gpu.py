@@ -264,7 +264,8 @@ def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int,
     lib.synchronize()
     ops.paged_decode_attn(
         lib.ptr(q_rows), cache.k_ptr, cache.v_ptr, lib.ptr(raw_out), lib.ptr(tables_dev),
-        lib.ptr(lens_dev), max_blocks_per_seq=max_blocks, block_tables_stride=table_width, num_seqs=num_seqs,
+        lib.ptr(lens_dev), max_blocks_per_seq=max_blocks, block_tables_stride=table_width,
+        num_seqs=num_seqs,
         num_q_heads=num_q_heads, inv_sqrt_d=dim ** -0.5, k_scale=K_SCALE, q_stride=q_stride,
         sliding_window=window, sparse_v_threshold=0.0, workspace=address(lib, workspace),
         workspace_bytes=workspace.nbytes, **raw_multi_token, **cache._layout_args())
