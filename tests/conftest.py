@@ -42,6 +42,15 @@ def shuffled_block_tables(rng: np.random.Generator, blocks_per_seq, num_blocks: 
     return tables
 
 
+def widened_rows(tables: np.ndarray, width: int) -> np.ndarray:
+    """``tables`` in the first columns of rows ``width`` entries wide (an engine's rows sized for
+    a longer context); the other entries hold INT32_MAX, a page far outside any pool, so that a
+    read of them faults."""
+    wide = np.full((tables.shape[0], width), np.iinfo(np.int32).max, dtype=np.int32)
+    wide[:, :tables.shape[1]] = tables
+    return wide
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = gpu_unavailable_reason()
     if reason is None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from conftest import relative_error_per_head, shuffled_block_tables
+from conftest import relative_error_per_head, shuffled_block_tables, widened_rows
 from fp8kturbov import CacheLayout, DeviceBuffer, KVCache, ops
 from fp8kturbov import reference as ref
 
@@ -230,9 +230,7 @@ def check_decode(lib: TorchArrays, cache: KVCache, rng, streams_of, window: int,
     q_host = bf16_rows(rng, num_rows, num_q_heads * dim, q_stride)
     q_rows, lens_dev = lib.to_device(q_host), lib.to_device(seq_lens)
     table_width = 2 * max_blocks + 3 if table_slice else max_blocks
-    wide = np.full((num_seqs, table_width), np.iinfo(np.int32).max, dtype=np.int32)
-    wide[:, :max_blocks] = tables
-    tables_dev = lib.to_device(wide)[:, :max_blocks]
+    tables_dev = lib.to_device(widened_rows(tables, table_width))[:, :max_blocks]
     q = q_rows[:, :num_q_heads * dim].reshape(num_rows, num_q_heads, dim)
     multi_token = {} if q_lens is None else dict(query_start=lib.to_device(query_start),
                                                  max_q_len=max_q_len)

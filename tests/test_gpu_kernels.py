@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from conftest import relative_error_per_head, shuffled_block_tables
+from conftest import relative_error_per_head, shuffled_block_tables, widened_rows
 from fp8kturbov import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -296,8 +296,7 @@ class DecodeCase:
         scalars = self.scalars(sparse_v_threshold)
         tables, table_args = self.block_tables, {}
         if table_width is not None:
-            tables = np.full((self.num_seqs, table_width), np.iinfo(np.int32).max, dtype=np.int32)
-            tables[:, :self.max_blocks_per_seq] = self.block_tables
+            tables = widened_rows(self.block_tables, table_width)
             table_args["block_tables_stride"] = table_width
         multi_token = self.multi_token_scalars()
         workspace_bytes = (fp8kturbov.paged_decode_workspace_bytes(
