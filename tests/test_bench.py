@@ -84,7 +84,14 @@ def test_default_config_is_the_issue_table():
     ({"soft_cap": float("inf")}, "soft_cap"),
     ({"q_len": 0}, "q_len = 0 must be in 1..16"),
     ({"q_len": 17}, "q_len = 17 must be in 1..16"),
-    ({"q_len": 4, "shapes": ((8, 8192), (2, 3))}, "decode shape 2x3 has fewer than q_len = 4 tokens"),
+    ({"q_len": 4, "shapes": ((8, 8192), (2, 3))}, "decode shape 2x3 has a sequence of fewer than q_len = 4 tokens"),
+    # Ramp lengths: the shortest of 8 x 24 holds ceil(24 / 8) = 3 tokens.
+    ({"q_len": 4, "lengths": "ramp", "shapes": ((8, 24),)}, "decode shape 8x24 has a sequence of fewer than q_len = 4"),
+    ({"lengths": "zipf"}, "lengths 'zipf' is not one of ('equal', 'ramp')"),
+    ({"table_positions": -1}, "table_positions = -1 must be >= 0"),
+    ({"table_positions": 4096, "shapes": ((1, 4096), (8, 8192))},
+     "table_positions = 4096 is shorter than the context of decode shape 8x8192"),
+    ({"whole_table_rows": True}, "whole_table_rows needs table_positions"),
     ({"ceiling_bytes": 0}, "ceiling_bytes = 0 must be >= 1"),
     ({"ceiling_bytes": bench.MiB + 8}, "ceiling_bytes = 1048584 is not a multiple of 16"),
 ])
@@ -107,6 +114,30 @@ def test_cases_take_q_len_for_the_decode_only():
     assert [(c.op, c.q_len) for c in cases] == [("decode", 4), ("write", 1)]
     # A write-only run does not look at the decode shapes' lengths.
     assert bench.Config(ops=("write",), shapes=((1, 2),), q_len=4).q_len == 4
+
+
+def test_cases_take_the_lengths_and_table_rows_for_the_decode_only():
+    config = bench.Config(shapes=((8, 8192),), tokens=(16,), bits=(3,), lengths="ramp",
+                          table_positions=131072, whole_table_rows=True)
+    decode, write = bench.build_cases(config)
+    assert (decode.lengths, decode.table_positions, decode.whole_table_rows) == ("ramp", 131072, True)
+    assert (write.lengths, write.table_positions, write.whole_table_rows) == ("equal", 0, False)
+
+
+@pytest.mark.parametrize("batch, context, lengths, want", [
+    (4, 10, "ramp", [3, 5, 8, 10]),  # ceil(10 (i + 1) / 4): 2.5, 5, 7.5, 10 rounded up
+    (1, 7, "ramp", [7]),
+    (3, 9, "equal", [9, 9, 9]),
+])
+def test_sequence_lengths(batch, context, lengths, want):
+    got = bench.sequence_lengths(batch, context, lengths)
+    assert got.dtype == np.int32 and got.tolist() == want
+
+
+def test_ramp_of_a_large_shape_ends_at_its_context_with_about_half_the_tokens():
+    shape = bench.Shape("decode", 3, 32, 32768, 128, 32, 8, 16, lengths="ramp")
+    assert shape.seq_lens[0] == 1024 and shape.seq_lens[-1] == 32768
+    assert shape.attended_tokens == 1024 * (32 * 33 // 2)  # each length a multiple of 1024
 
 
 # ---- Byte counts -----------------------------------------------------------------------------------
@@ -137,6 +168,20 @@ def test_multi_token_decode_reads_the_cache_once():
     assert bench.device_bytes(shape, 3) == bench.device_bytes(one_token, 3) + 3 * (extra_q_and_out + 3 * 4)
     assert np.array_equal(shape.query_start, [0, 4, 8]) and shape.query_start.dtype == np.int32
     assert one_token.query_start is None and one_token.query_start_bytes == 0
+
+
+def test_mixed_lengths_count_the_tokens_and_pages_they_attend():
+    # Lengths 10, 20, 30, 40 on pages of 16: 1 + 2 + 2 + 3 pages in use, 100 tokens.
+    shape = bench.Shape("decode", 3, 4, 40, 128, 32, 8, 16, lengths="ramp")
+    assert shape.seq_lens.tolist() == [10, 20, 30, 40] and shape.seq_blocks.tolist() == [1, 2, 2, 3]
+    assert (shape.attended_tokens, shape.used_blocks, shape.blocks_per_seq) == (100, 8, 3)
+    q_and_out = 2 * 4 * 32 * 128 * 2
+    assert bench.launch_bytes(shape) == 100 * 8 * 184 + q_and_out + (8 + 4) * 4
+    assert bench.peer_bytes(shape, 1) == 2 * 100 * 8 * 128 + q_and_out
+    # The pools still hold every sequence's pages for the longest one.
+    equal = bench.dataclasses.replace(shape, lengths="equal")
+    assert shape.num_blocks == equal.num_blocks == 12
+    assert bench.device_bytes(shape, 2) == bench.device_bytes(equal, 2)
 
 
 def test_write_bytes():
@@ -632,6 +677,12 @@ def test_report_names_the_mode_and_the_options():
     assert ", unchecked, 4 query tokens per sequence (peers not run: they decode one);" in report
     report = bench.format_report(fake_rows(), DEVICE, bench.Config(q_len=4, peers=False))
     assert ", unchecked, 4 query tokens per sequence;" in report
+    report = bench.format_report(fake_rows(), DEVICE, bench.Config(lengths="ramp", table_positions=131072))
+    assert (", unchecked, sequence i of B holding ceil(context * (i + 1) / B) tokens (dense peers not run: "
+            "one length per batch), block-table rows of 131072 positions, passed as a column slice "
+            "(block_tables_stride);") in report
+    report = bench.format_report(fake_rows(), DEVICE, bench.Config(table_positions=131072, whole_table_rows=True))
+    assert ", unchecked, block-table rows of 131072 positions, passed whole (the plan sized for them);" in report
 
 
 class FakeMemoryDevice:
@@ -681,6 +732,23 @@ def test_launch_options_of_the_decode_and_the_write():
         assert bench.launch_options(dev, shape, layout, rotated) == {"v_rotation": fp8kturbov.VRotation.HADAMARD}
 
 
+@pytest.mark.parametrize("whole, planned, stride", [(False, 3, {"block_tables_stride": 7}), (True, 7, {})])
+def test_wide_table_rows_are_passed_as_a_slice_or_whole(whole, planned, stride):
+    # Rows of 100 positions are 7 pages of 16; a sequence of 40 tokens fills 3.
+    shape = bench.Shape("decode", 3, 2, 40, 128, 32, 8, 16, table_positions=100, whole_table_rows=whole)
+    layout = bench.CacheLayout(shape.num_blocks, 16, 8, 128, 3)
+    assert (shape.blocks_per_seq, shape.table_blocks, shape.planned_blocks) == (3, 7, planned)
+    assert bench.decode_scalars(shape, layout, 0.1, 0.0)["max_blocks_per_seq"] == planned
+    assert bench.launch_options(FakeMemoryDevice(), shape, layout, bench.Config()) == stride
+    compact = bench.dataclasses.replace(shape, table_positions=0, whole_table_rows=False)
+    assert bench.launch_bytes(shape) == bench.launch_bytes(compact)  # the entries read are the same
+    assert bench.device_bytes(shape, 1) == bench.device_bytes(compact, 1) + 2 * (7 - 3) * 4
+    table = bench.block_table(shape, np.random.default_rng(5))
+    assert table.dtype == np.int32 and table.shape == (2, 7)
+    assert sorted(table[:, :3].ravel().tolist()) == list(range(6)) and not table[:, 3:].any()
+    assert np.array_equal(table[:, :3], bench.block_table(compact, np.random.default_rng(5)))
+
+
 def test_launch_options_pass_the_query_rows_of_a_multi_token_decode():
     layout = bench.CacheLayout(37, 16, 8, 128, 3)
     dev = FakeMemoryDevice()
@@ -711,6 +779,14 @@ class FakeRunnerDevice:
     @contextlib.contextmanager
     def scope(self):
         yield
+
+
+@pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_sdpa"])
+def test_dense_peers_skip_mixed_lengths_before_importing_anything(monkeypatch, name):
+    monkeypatch.setattr(bench, "_optional", lambda module: pytest.fail(f"imported {module}"))
+    shape = bench.Shape("decode", 3, 4, 40, 128, 32, 8, 16, lengths="ramp")
+    result = bench.run_peer(name, FakeRunnerDevice(), shape, bench.Config(), 4000.0)
+    assert result == {"status": "skipped: dense K/V hold sequences of one length"}
 
 
 def test_peers_run_only_for_one_query_token(monkeypatch):
@@ -754,6 +830,8 @@ def test_json_schema(tmp_path):
     assert document["rows"][3]["set_medians_us"] == [14.5] and document["rows"][4]["set_medians_us"] == []
     assert document["rows"][4]["median_us"] is None
     assert [row["q_len"] for row in document["rows"]] == [None, None, None, 1, 1, None]
+    assert [(row["lengths"], row["table_positions"], row["whole_table_rows"]) for row in document["rows"][3:]] \
+        == [("equal", 0, False), ("equal", 0, False), (None, None, None)]
     bench.write_json(tmp_path / "q4.json", rows, DEVICE, bench.Config(q_len=4))
     assert json.loads((tmp_path / "q4.json").read_text())["config"]["q_len"] == 4
 
@@ -785,13 +863,15 @@ def test_cli_options_become_a_config():
          "128,256", "--q-heads", "16", "--kv-heads", "4", "--block-size", "32", "--iters", "50",
          "--warmup", "5", "--sets", "2", "--sparse-v-threshold", "0", "--checked", "--v-encoder",
          "mse", "--soft-cap", "30", "--sinks", "--v-rotation", "hadamard", "--q-len", "4", "--no-peers",
+         "--lengths", "ramp", "--table-positions", "128k", "--whole-table-rows",
          "--ceiling-mib", "256", "--json", "out.json",
          "--plot", "out.png"])
     assert config_from_args(args) == bench.Config(
         ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
         num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
         sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True,
-        v_rotation="hadamard", q_len=4, peers=False, ceiling_bytes=256 << 20)
+        v_rotation="hadamard", q_len=4, lengths="ramp", table_positions=131072, whole_table_rows=True,
+        peers=False, ceiling_bytes=256 << 20)
     assert (args.json, args.plot) == ("out.json", "out.png")
     assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
 
@@ -803,6 +883,8 @@ def test_cli_options_become_a_config():
     (["bench", "--q-len", "0"], "argument --q-len: '0' is not a positive integer"),
     (["bench", "--q-len", "17"], "argument --q-len: '17' is more than 16 query tokens per sequence"),
     (["bench", "--ceiling-mib", "0"], "argument --ceiling-mib: '0' is not a positive integer"),
+    (["bench", "--lengths", "zipf"], "argument --lengths: invalid choice: 'zipf'"),
+    (["bench", "--table-positions", "0"], "argument --table-positions: '0' is not a positive integer"),
     ([], "required: COMMAND"),
     (["compare", "a.json"], "required: CANDIDATE.json"),
     (["compare", "a.json", "b.json", "--max-slowdown", "-1"],
@@ -837,6 +919,8 @@ def test_cli_reports_an_invalid_config_in_one_line(capsys):
     assert main(["bench", "--q-heads", "30"]) == 2
     assert capsys.readouterr().err == (
         "python -m fp8kturbov bench: error: num_q_heads = 30 is not a multiple of num_kv_heads = 8\n")
+    assert main(["bench", "--whole-table-rows"]) == 2
+    assert capsys.readouterr().err == "python -m fp8kturbov bench: error: whole_table_rows needs table_positions\n"
 
 
 @pytest.mark.parametrize("flags, timing_gate", [([], True), (["--no-timing-gate"], False)])
@@ -954,3 +1038,20 @@ def test_gpu_cli_multi_token_decode_one_tiny_shape(tmp_path, capsys):
     assert all(re.fullmatch(r"L2|sets \d+ %|(power cap|thermal) \d+ %", part)
                for part in decode["note"].split(", ") if part), decode["note"]
     assert decode["bytes"] == bench.launch_bytes(bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("whole", [False, True], ids=["slice", "whole"])
+def test_gpu_mixed_lengths_in_wide_table_rows_one_tiny_shape(whole):
+    config = bench.Config(ops=("decode",), shapes=((3, 300),), bits=(3,), iters=5, warmup=2, sets=2,
+                          ceiling_bytes=8 * bench.MiB, lengths="ramp", table_positions=1000,
+                          whole_table_rows=whole)
+    with bench.Device(timing_gate=TIMING_GATE) as dev:
+        rows = bench.run_benchmarks(config, device=dev, show_progress=False)
+    decode = rows[3]
+    (shape,) = bench.build_cases(config)
+    assert decode["median_us"] > 0 and decode["bytes"] == bench.launch_bytes(shape)
+    assert (decode["lengths"], decode["table_positions"], decode["whole_table_rows"]) == ("ramp", 1000, whole)
+    peers = decode["peers"]
+    assert peers["bf16_sdpa"]["status"] in ("absent", "skipped: dense K/V hold sequences of one length")
+    assert peers["fp8_flashinfer"]["status"] in ("absent", "ok"), peers["fp8_flashinfer"]["status"]

@@ -94,9 +94,24 @@ def test_query_tokens_and_heads_make_different_measurements():
     assert matched.change_pct == pytest.approx(10.0)
 
 
+def test_lengths_and_table_rows_make_different_measurements():
+    ramp = timed_row(bench.dataclasses.replace(DECODE_8X8K, lengths="ramp"), 30.0)
+    slice_rows = timed_row(bench.dataclasses.replace(DECODE_8X8K, table_positions=131072), 40.5)
+    whole_rows = timed_row(bench.dataclasses.replace(DECODE_8X8K, table_positions=131072,
+                                                     whole_table_rows=True), 80.0)
+    records = compare.compare_rows([timed_row(DECODE_8X8K, 40.0)], [ramp, slice_rows, whole_rows])
+    assert [(r.shape, r.only_in) for r in records] == [
+        ("8x8192", "baseline"), ("8x8192 ramp", "candidate"), ("8x8192 rows 131072", "candidate"),
+        ("8x8192 rows 131072 whole", "candidate")]
+    four_token_ramp = bench.dataclasses.replace(DECODE_8X8K, q_len=4, lengths="ramp", table_positions=65536)
+    assert compare.shape_text(timed_row(four_token_ramp, 1.0)) == "8x8192 q4 ramp rows 65536"
+
+
 def test_rows_of_files_without_query_tokens_match_one_token_decodes():
-    """Bench files of library 0.2 have no q_len: their decode rows are one token per sequence."""
-    old_decode, old_write = ({k: v for k, v in timed_row(shape, 40.0).items() if k != "q_len"}
+    """Bench files of library 0.2 have no q_len, and older files none of the fields that came
+    later: their decode rows are one token per sequence of equal lengths in compact tables."""
+    later = compare.LATER_DECODE_FIELDS
+    old_decode, old_write = ({k: v for k, v in timed_row(shape, 40.0).items() if k not in later}
                              for shape in (DECODE_8X8K, WRITE_128))
     four_tokens = timed_row(bench.dataclasses.replace(DECODE_8X8K, q_len=4), 41.0)
     records = compare.compare_rows([old_decode, old_write],

@@ -104,6 +104,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write and decode with this V rotation (hadamard: head_dim 128, 256, "
                         f"512; default: {d.v_rotation})")
     add_q_len_argument(parser, d.q_len)
+    parser.add_argument("--lengths", choices=bench.LENGTHS, default=d.lengths,
+                        help="decode sequence lengths of a shape BxL: all L ('equal'), or sequence i "
+                        "of B holding ceil(L * (i + 1) / B) tokens ('ramp': mixed lengths up to L, "
+                        f"about half the tokens; the dense peers are not run) (default: {d.lengths})")
+    parser.add_argument("--table-positions", type=count, metavar="N", default=None,
+                        help="decode block-table rows N positions wide (an engine's longest context; "
+                        "N >= every L), passed as a column slice of the shape's pages "
+                        "(block_tables_stride) (default: rows of the shape's pages)")
+    parser.add_argument("--whole-table-rows", action="store_true",
+                        help="with --table-positions, pass the rows whole (max_blocks_per_seq = N / "
+                        "block size): the plan is then sized for N positions, not for L")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
     parser.add_argument("--power-window", type=float, metavar="SECONDS", default=d.power_window_s,
@@ -129,7 +140,9 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
-        v_rotation=args.v_rotation, q_len=args.q_len, peers=not args.no_peers, seed=args.seed,
+        v_rotation=args.v_rotation, q_len=args.q_len, lengths=args.lengths,
+        table_positions=args.table_positions or 0, whole_table_rows=args.whole_table_rows,
+        peers=not args.no_peers, seed=args.seed,
         ceiling_bytes=args.ceiling_mib * bench.MiB, power_window_s=args.power_window)
 
 

@@ -102,6 +102,10 @@ DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
     (1, 32768), (1, 131072), (8, 8192), (32, 8192), (128, 2048), (32, 32768), (1, 1024), (8, 4096))
 DEFAULT_WRITE_TOKENS: tuple[int, ...] = (1, 16, 128, 32768)
 OPS = ("decode", "write")
+#: How the decode's sequences of a shape ``BxC`` are long: all ``C`` tokens ("equal"), or
+#: sequence ``i`` of ``B`` holding ``ceil(C * (i + 1) / B)`` ("ramp": up to ``C``, about half of
+#: the tokens, a batch of mixed lengths such as continuous batching makes).
+LENGTHS = ("equal", "ramp")
 V_BITS = (2, 3, 4)
 V_ENCODER_NAMES = tuple(encoder.name.lower() for encoder in VEncoder)
 V_ROTATION_NAMES = tuple(rotation.name.lower() for rotation in VRotation)
@@ -164,6 +168,14 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(shapes)
 
 
+def sequence_lengths(batch: int, context: int, lengths: str) -> np.ndarray:
+    """The int32 ``seq_lens`` of a decode shape ``batch x context`` (tokens), as `LENGTHS` says."""
+    if lengths == "ramp":
+        sequence = np.arange(1, batch + 1, dtype=np.int64)
+        return (-(-context * sequence // batch)).astype(np.int32)
+    return np.full(batch, context, np.int32)
+
+
 @dataclass(frozen=True)
 class Config:
     """What to run. Counts are elements/tokens/sequences; ``ceiling_bytes`` is bytes."""
@@ -186,6 +198,9 @@ class Config:
     sinks: bool = False  # decode with attention sinks (zero logits)
     v_rotation: str = "none"  # write and decode with this V rotation (a lower-case VRotation name)
     q_len: int = 1  # decode: query tokens per sequence (1: no query_start, the one-token decode)
+    lengths: str = "equal"  # decode: one of LENGTHS
+    table_positions: int = 0  # decode: block-table row width in positions; 0 = each shape's context
+    whole_table_rows: bool = False  # decode: plan for the row width (else pass the pages, stride = width)
     peers: bool = True  # not run with q_len > 1: they decode one query token per sequence
     ceiling_bytes: int = 2 * GiB  # read by the ceiling's kernel, and copied by the copy
     chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
@@ -221,11 +236,22 @@ class Config:
         elif self.v_rotation != "none":
             problems += [f"v_rotation {self.v_rotation!r} needs a head_dim in {ROTATION_HEAD_DIMS}, not {d}"
                          for d in self.head_dims if d not in ROTATION_HEAD_DIMS]
+        if self.lengths not in LENGTHS:
+            problems.append(f"lengths {self.lengths!r} is not one of {LENGTHS}")
         if not 1 <= self.q_len <= MAX_Q_LEN:
             problems.append(f"q_len = {self.q_len} must be in 1..{MAX_Q_LEN}")
         elif "decode" in self.ops:
-            problems += [f"decode shape {batch}x{context} has fewer than q_len = {self.q_len} tokens"
-                         for batch, context in self.shapes if context < self.q_len]
+            problems += [f"decode shape {batch}x{context} has a sequence of fewer than q_len = "
+                         f"{self.q_len} tokens" for batch, context in self.shapes
+                         if sequence_lengths(batch, context, self.lengths).min() < self.q_len]
+        if self.table_positions < 0:
+            problems.append(f"table_positions = {self.table_positions} must be >= 0")
+        elif self.table_positions and "decode" in self.ops:
+            problems += [f"table_positions = {self.table_positions} is shorter than the context of "
+                         f"decode shape {batch}x{context}" for batch, context in self.shapes
+                         if context > self.table_positions]
+        if self.whole_table_rows and not self.table_positions:
+            problems.append("whole_table_rows needs table_positions")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -234,9 +260,12 @@ class Config:
 class Shape:
     """One benchmark case.
 
-    ``op == "decode"``: ``batch`` sequences of ``context`` cached tokens, ``q_len`` query tokens
-    each (the last ``q_len`` positions; with ``q_len > 1`` passed through ``query_start``).
-    ``op == "write"``: ``batch`` token rows written, ``context == 0``, ``q_len == 1``.
+    ``op == "decode"``: ``batch`` sequences of up to ``context`` cached tokens (`seq_lens`),
+    ``q_len`` query tokens each (the last ``q_len`` positions; with ``q_len > 1`` passed through
+    ``query_start``), each sequence on ``blocks_per_seq`` pages of its own; its block-table rows
+    are ``table_blocks`` pages wide, of which the launch plans for `planned_blocks`.
+    ``op == "write"``: ``batch`` token rows written, ``context == 0``, ``q_len == 1``, and the
+    decode's fields at their defaults.
     """
 
     op: str
@@ -248,6 +277,9 @@ class Shape:
     num_kv_heads: int
     block_size: int
     q_len: int = 1
+    lengths: str = "equal"
+    table_positions: int = 0
+    whole_table_rows: bool = False
 
     @property
     def label(self) -> str:
@@ -262,6 +294,39 @@ class Shape:
     def blocks_per_seq(self) -> int:
         """Pages per sequence (decode): ``ceil(context / block_size)``."""
         return -(-self.context // self.block_size)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """The decode's int32 ``seq_lens`` ``[batch]`` (tokens), as ``lengths`` says."""
+        return sequence_lengths(self.batch, self.context, self.lengths)
+
+    @property
+    def attended_tokens(self) -> int:
+        """Cached tokens the decode attends, over all sequences: the sum of `seq_lens`."""
+        return int(self.seq_lens.sum())
+
+    @property
+    def seq_blocks(self) -> np.ndarray:
+        """The pages each sequence's tokens fill, int64 ``[batch]``: ``ceil(seq_len / block_size)``."""
+        return -(-self.seq_lens.astype(np.int64) // self.block_size)
+
+    @property
+    def used_blocks(self) -> int:
+        """Block-table entries the decode reads: the sum of `seq_blocks`."""
+        return int(self.seq_blocks.sum())
+
+    @property
+    def table_blocks(self) -> int:
+        """Pages per block-table row: ``ceil(table_positions / block_size)``, or
+        `blocks_per_seq` where ``table_positions`` is 0 (the compact table)."""
+        return max(self.blocks_per_seq, -(-self.table_positions // self.block_size))
+
+    @property
+    def planned_blocks(self) -> int:
+        """The launch's ``max_blocks_per_seq``: `table_blocks` with ``whole_table_rows`` (rows
+        passed whole, the plan sized for them), else `blocks_per_seq` with the row width as
+        ``block_tables_stride`` (a column slice, the plan sized for the context)."""
+        return self.table_blocks if self.whole_table_rows else self.blocks_per_seq
 
     @property
     def num_blocks(self) -> int:
@@ -303,8 +368,11 @@ def build_cases(config: Config) -> list[Shape]:
     so that the peers (which ignore the bits) run once per shape."""
     heads = (config.num_q_heads, config.num_kv_heads, config.block_size)
     sizes = {"decode": config.shapes, "write": [(tokens, 0) for tokens in config.tokens]}
-    q_lens = {"decode": config.q_len, "write": 1}
-    return [Shape(op, bits, batch, context, head_dim, *heads, q_lens[op])
+    decode_fields = {"decode": dict(q_len=config.q_len, lengths=config.lengths,
+                                    table_positions=config.table_positions,
+                                    whole_table_rows=config.whole_table_rows),
+                     "write": {}}
+    return [Shape(op, bits, batch, context, head_dim, *heads, **decode_fields[op])
             for op in OPS if op in config.ops
             for head_dim in config.head_dims
             for batch, context in sizes[op]
@@ -331,8 +399,8 @@ def launch_bytes(shape: Shape) -> int:
     bytes written, and the int64 slot mapping.
     """
     if shape.op == "decode":
-        tables = shape.batch * (shape.blocks_per_seq + 1) * 4
-        return (shape.batch * shape.context * cache_bytes_per_token(shape)
+        tables = (shape.used_blocks + shape.batch) * 4
+        return (shape.attended_tokens * cache_bytes_per_token(shape)
                 + 2 * shape.q_elems * BF16_BYTES + tables + shape.query_start_bytes)
     rows_read = shape.batch * shape.row_elems * 2 * BF16_BYTES
     return rows_read + shape.batch * (cache_bytes_per_token(shape) + 8)
@@ -341,7 +409,7 @@ def launch_bytes(shape: Shape) -> int:
 def peer_bytes(shape: Shape, kv_element_bytes: int) -> int:
     """Bytes a dense-cache peer must move for a decode shape: K and V of ``kv_element_bytes``
     per element for every attended token, plus q and the output (bf16)."""
-    kv = 2 * shape.batch * shape.context * shape.row_elems * kv_element_bytes
+    kv = 2 * shape.attended_tokens * shape.row_elems * kv_element_bytes
     return kv + 2 * shape.q_elems * BF16_BYTES
 
 
@@ -350,7 +418,7 @@ def device_bytes(shape: Shape, sets: int) -> int:
     pool_slots = shape.num_blocks * shape.block_size
     pools = pool_slots * cache_bytes_per_token(shape)
     if shape.op == "decode":
-        per_set = (pools + 2 * shape.q_elems * BF16_BYTES + (shape.num_blocks + shape.batch) * 4
+        per_set = (pools + 2 * shape.q_elems * BF16_BYTES + shape.batch * (shape.table_blocks + 1) * 4
                    + shape.query_start_bytes)
     else:
         per_set = pools + shape.batch * (2 * shape.row_elems * BF16_BYTES + 8)
@@ -377,6 +445,9 @@ def fits_in_memory(needed: int, free: int) -> bool:
 
 
 # ---- Results -------------------------------------------------------------------------------------
+
+#: `Shape` fields that do not apply to a write row: null in its `Result`.
+WRITE_UNSET_FIELDS = ("context", "q_len", "lengths", "table_positions", "whole_table_rows")
 
 
 @dataclass(frozen=True)
@@ -527,6 +598,9 @@ class Result:
     num_kv_heads: int | None = None
     block_size: int | None = None
     q_len: int | None = None
+    lengths: str | None = None
+    table_positions: int | None = None
+    whole_table_rows: bool | None = None
     bytes: int = 0
     median_us: float | None = None
     min_us: float | None = None
@@ -546,7 +620,7 @@ class Result:
     def for_shape(cls, shape: Shape) -> Result:
         fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(Shape)}
         if shape.op == "write":
-            fields["context"] = fields["q_len"] = None
+            fields.update(dict.fromkeys(WRITE_UNSET_FIELDS))
         return cls(shape=shape.label, bytes=launch_bytes(shape), **fields)
 
     def record(self, timing: Timing, ceiling_gbps: float) -> None:
@@ -715,7 +789,7 @@ def decode_scalars(shape: Shape, layout: CacheLayout, k_scale: float,
                    sparse_v_threshold: float) -> dict[str, Any]:
     """The decode's scalar arguments for ``shape`` (shared by the launch and the workspace query;
     ``max_q_len`` sizes both, and is ignored by the launch without `query_start_arguments`)."""
-    return dict(max_blocks_per_seq=shape.blocks_per_seq, num_seqs=shape.batch,
+    return dict(max_blocks_per_seq=shape.planned_blocks, num_seqs=shape.batch,
                 num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
                 head_dim=shape.head_dim, block_size=shape.block_size,
                 inv_sqrt_d=shape.head_dim ** -0.5, k_scale=k_scale,
@@ -735,9 +809,10 @@ def query_start_arguments(dev: Device, shape: Shape) -> dict[str, Any]:
 
 def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Config) -> dict[str, Any]:
     """The optional arguments of one input set's launch: checked mode (the pools' page count and
-    a zeroed error word), the decode's sinks (zero logits), soft cap and query rows
-    (`query_start_arguments`), the write's V encoder, the V rotation (write and decode); only those
-    ``config`` and ``shape`` turn on."""
+    a zeroed error word), the decode's sinks (zero logits), soft cap, query rows
+    (`query_start_arguments`) and block-table row stride (rows wider than `Shape.planned_blocks`),
+    the write's V encoder, the V rotation (write and decode); only those ``config`` and ``shape``
+    turn on."""
     options: dict[str, Any] = {}
     if config.v_rotation != "none":
         options["v_rotation"] = VRotation[config.v_rotation.upper()]
@@ -750,6 +825,8 @@ def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Confi
             options["sinks"] = dev.upload(np.zeros(shape.num_q_heads, dtype=np.float32))
         if config.soft_cap:
             options["soft_cap"] = config.soft_cap
+        if shape.table_blocks != shape.planned_blocks:
+            options["block_tables_stride"] = shape.table_blocks
         options.update(query_start_arguments(dev, shape))
     elif config.v_encoder != "matched_norm":
         options["v_encoder"] = VEncoder[config.v_encoder.upper()]
@@ -774,11 +851,19 @@ def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: Wri
         k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout), **(options or {}))
 
 
+def block_table(shape: Shape, rng: np.random.Generator) -> np.ndarray:
+    """A decode's int32 block table ``[batch, table_blocks]``: the pools' pages in a random
+    order, `Shape.blocks_per_seq` per sequence, then page 0 to the row's end."""
+    pages = rng.permutation(shape.num_blocks).astype(np.int32).reshape(shape.batch, shape.blocks_per_seq)
+    return np.pad(pages, ((0, 0), (0, shape.table_blocks - shape.blocks_per_seq)))
+
+
 def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
                     rng: np.random.Generator) -> list[Callable[[], None]]:
     """One decode launch per input set: pools filled with ``chunk``, each sequence on its own
-    pages in a random order, every sequence ``context`` tokens long, random bf16 q of
-    ``q_len`` rows per sequence."""
+    pages in a random order (block-table rows of `Shape.table_blocks` pages, page 0 past
+    the sequence's own), sequences as long as `Shape.seq_lens`, random bf16 q of ``q_len`` rows
+    per sequence."""
     layout = _layout(shape)
     scalars = decode_scalars(shape, layout, chunk.k_scale, config.sparse_v_threshold)
     workspace_bytes = paged_decode_workspace_bytes(**scalars)
@@ -788,8 +873,8 @@ def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
         buffers = DecodeBuffers(
             q=dev.upload(bf16_bits(q)), k_cache=dev.alloc(layout.k_pool_bytes),
             v_cache=dev.alloc(layout.v_pool_bytes), output=dev.alloc(shape.q_elems * BF16_BYTES),
-            block_tables=dev.upload(rng.permutation(layout.num_blocks).astype(np.int32)),
-            seq_lens=dev.upload(np.full(shape.batch, shape.context, np.int32)),
+            block_tables=dev.upload(block_table(shape, rng)),
+            seq_lens=dev.upload(shape.seq_lens),
             workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
             workspace_bytes=workspace_bytes)
         replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
@@ -870,7 +955,10 @@ def _sdpa_with_gqa(torch: Any, group: int) -> tuple[Callable[..., Any], int]:
 
 
 def _dense_kv_shape(shape: Shape) -> tuple[int, int, int, int]:
-    """The dense peers' K and V: ``[batch, kv_heads, context, head_dim]``."""
+    """The dense peers' K and V: ``[batch, kv_heads, context, head_dim]``; a batch of mixed
+    lengths has none (they would read every sequence padded to ``context``)."""
+    if shape.lengths != "equal":
+        raise PeerUnavailable("skipped: dense K/V hold sequences of one length")
     return shape.batch, shape.num_kv_heads, shape.context, shape.head_dim
 
 
@@ -885,13 +973,14 @@ def peer_bf16_sdpa(dev: Device, shape: Shape, config: Config,
     """torch SDPA over contiguous bf16 K/V ``[batch, kv_heads, context, head_dim]``, q
     ``[batch, q_heads, 1, head_dim]``, GQA through ``enable_gqa`` (or K/V heads repeated before
     timing where torch lacks it). Returns (bytes, timing)."""
+    dense_shape = _dense_kv_shape(shape)
     torch = _optional("torch")
     sdpa, repeat = _sdpa_with_gqa(torch, shape.num_q_heads // shape.num_kv_heads)
     kv_bytes = peer_bytes(shape, BF16_BYTES)
     _check_peer_memory(dev, config.sets * kv_bytes * repeat + kv_bytes)
 
     def kv() -> Any:
-        dense = torch.randn(*_dense_kv_shape(shape), dtype=torch.bfloat16, device="cuda")
+        dense = torch.randn(*dense_shape, dtype=torch.bfloat16, device="cuda")
         return dense.repeat_interleave(repeat, dim=1) if repeat > 1 else dense
 
     def make_fn() -> Callable[[], Any]:
@@ -907,6 +996,7 @@ def peer_fp8_sdpa(dev: Device, shape: Shape, config: Config,
     `peer_bf16_sdpa` (K/V heads repeated after the cast where torch lacks ``enable_gqa``). The
     per-tensor scales fold into q and the output, so a cast is the whole dequantisation. Returns
     (the bytes an FP8 cache must read, timing): the casts' bf16 copies are extra traffic it pays."""
+    dense_shape = _dense_kv_shape(shape)
     torch = _optional("torch")
     sdpa, repeat = _sdpa_with_gqa(torch, shape.num_q_heads // shape.num_kv_heads)
     fp8_bytes = peer_bytes(shape, 1)
@@ -914,7 +1004,7 @@ def peer_fp8_sdpa(dev: Device, shape: Shape, config: Config,
     _check_peer_memory(dev, config.sets * fp8_bytes + 2 * repeat * fp8_bytes)
 
     def kv() -> Any:  # bytes below 0x78 are finite positive E4M3 values: random data without NaN
-        return torch.randint(0, 0x78, _dense_kv_shape(shape), dtype=torch.uint8,
+        return torch.randint(0, 0x78, dense_shape, dtype=torch.uint8,
                              device="cuda").view(torch.float8_e4m3fn)
 
     def make_fn() -> Callable[[], Any]:
@@ -941,13 +1031,14 @@ def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config,
     workspace_bytes = 128 << 20  # flashinfer's documented default for decode
     nbytes = peer_bytes(shape, 1)
     _check_peer_memory(dev, config.sets * (nbytes + workspace_bytes))
-    pages, per_seq = shape.num_blocks, shape.blocks_per_seq
+    pages, seq_pages = shape.num_blocks, shape.seq_blocks  # its planner reads the lengths on the host
+    last_page_len = shape.seq_lens - (seq_pages - 1) * shape.block_size
 
     def make_fn() -> Callable[[], Any]:
         int32 = {"dtype": torch.int32, "device": "cuda"}
-        indptr = torch.arange(shape.batch + 1, **int32) * per_seq
-        indices = torch.randperm(pages, **int32)
-        last_len = torch.full((shape.batch,), shape.context - (per_seq - 1) * shape.block_size, **int32)
+        indptr = torch.tensor(np.concatenate([[0], np.cumsum(seq_pages)]), **int32)
+        indices = torch.randperm(pages, **int32)[:shape.used_blocks]
+        last_len = torch.tensor(last_page_len, **int32)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda"), "NHD",
             use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
@@ -1326,6 +1417,13 @@ def _options_text(config: Config) -> str:
     on = ([f"V encoder {config.v_encoder}"] if config.v_encoder != "matched_norm" else []) + \
          ([f"soft cap {config.soft_cap:g}"] if config.soft_cap else []) + (["sinks"] if config.sinks else []) + \
          ([f"V rotation {config.v_rotation}"] if config.v_rotation != "none" else [])
+    if config.lengths == "ramp":
+        on.append("sequence i of B holding ceil(context * (i + 1) / B) tokens"
+                  + (" (dense peers not run: one length per batch)" if config.peers else ""))
+    if config.table_positions:
+        on.append(f"block-table rows of {config.table_positions} positions, "
+                  + ("passed whole (the plan sized for them)" if config.whole_table_rows
+                     else "passed as a column slice (block_tables_stride)"))
     if config.q_len > 1:
         on.append(f"{config.q_len} query tokens per sequence"
                   + (" (peers not run: they decode one)" if config.peers else ""))
@@ -1365,6 +1463,11 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                                            "batch" is the token rows written, "context" and
                                            "q_len" are null; "q_len": query tokens per
                                            sequence of the decode),
+                   "lengths": "equal"|"ramp"|null  the decode's sequence lengths (LENGTHS),
+                   "table_positions": int|null  the decode's block-table row width in
+                                           positions, 0 for rows of the context's pages,
+                   "whole_table_rows": bool|null  whether the decode planned for the whole
+                                           rows (else they were a column slice),
                    "bytes": int            bytes the launch must move (see launch_bytes),
                    "median_us", "min_us": float|null  per launch, µs (null: skipped),
                    "samples": int,

@@ -38,6 +38,10 @@ from . import bench
 #: The row fields that say what a row measures. The shape text tells apart the ceiling copies
 #: of different sizes; for decode and write rows it follows from the `bench.Shape` fields.
 ROW_IDENTITY = ("op", "shape", *(f.name for f in dataclasses.fields(bench.Shape) if f.name != "op"))
+#: `bench.Shape` fields that older files lack, with the value their decode rows had (write rows:
+#: null). Files of library 0.2 lack ``q_len``, those written before the bench's ``--lengths`` and
+#: ``--table-positions`` the others.
+LATER_DECODE_FIELDS = {"q_len": 1, "lengths": "equal", "table_positions": 0, "whole_table_rows": False}
 #: Config fields that only choose which cases run: not warned about, as a case of one file only
 #: is listed as such.
 CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims")
@@ -86,7 +90,7 @@ class RowComparison:
 
     op: str
     bits: int | None
-    shape: str  # the bench's shape text, with " q<N>" for N > 1 query tokens per sequence
+    shape: str  # the bench's shape text and the decode's other fields (`shape_text`)
     head_dim: int | None
     baseline_us: float | None
     candidate_us: float | None
@@ -155,9 +159,9 @@ def load_bench_json(path: str | Path) -> dict[str, Any]:
 
 
 def row_identity(row: dict[str, Any]) -> tuple[Any, ...]:
-    """What ``row`` measures (`ROW_IDENTITY`): rows of two runs with equal identities match. The
-    files of library 0.2 have no ``q_len``: their decode rows are one query token per sequence."""
-    older = {"q_len": 1 if row["op"] == "decode" else None}
+    """What ``row`` measures (`ROW_IDENTITY`): rows of two runs with equal identities match. A
+    field of `LATER_DECODE_FIELDS` that an older file lacks takes its value there."""
+    older = {name: value if row["op"] == "decode" else None for name, value in LATER_DECODE_FIELDS.items()}
     return tuple(row[name] if name in row else older[name] for name in ROW_IDENTITY)
 
 
@@ -174,15 +178,30 @@ def _power_cap(row: dict[str, Any] | None) -> float | None:
     return None if held is None else held["power cap"]
 
 
+def shape_text(row: dict[str, Any]) -> str:
+    """The bench's shape text of ``row``, followed for a decode row by what else it measures
+    where that is not the default: `` q<N>`` for N > 1 query tokens per sequence, `` ramp`` for
+    sequences of mixed lengths, `` rows <N>`` (`` rows <N> whole``) for block-table rows of N
+    positions passed as a column slice (whole)."""
+    fields = dict(zip(ROW_IDENTITY, row_identity(row)))
+    parts = [row["shape"]]
+    if (fields["q_len"] or 1) > 1:
+        parts.append(f"q{fields['q_len']}")
+    if fields["lengths"] not in (None, "equal"):
+        parts.append(fields["lengths"])
+    if fields["table_positions"]:
+        parts.append(f"rows {fields['table_positions']}" + (" whole" if fields["whole_table_rows"] else ""))
+    return " ".join(parts)
+
+
 def _record(baseline: dict[str, Any] | None, candidate: dict[str, Any] | None) -> RowComparison:
     """The record of a matched pair of rows, or of one row (the other None)."""
     row = baseline if baseline is not None else candidate
-    q_len = row.get("q_len") or 1  # absent from the files of library 0.2
     sides = (("baseline", baseline), ("candidate", candidate))
     skipped = [f"not measured in {name} ({side['note']})" for name, side in sides
                if side is not None and side["median_us"] is None]
     return RowComparison(
-        op=row["op"], bits=row["bits"], shape=row["shape"] + (f" q{q_len}" if q_len > 1 else ""),
+        op=row["op"], bits=row["bits"], shape=shape_text(row),
         head_dim=row["head_dim"], baseline_us=_median_us(baseline),
         candidate_us=_median_us(candidate),
         only_in="candidate" if baseline is None else "baseline" if candidate is None else "",
