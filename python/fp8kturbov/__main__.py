@@ -108,7 +108,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode sequence lengths of a shape BxL: all L ('equal'), or sequence i "
                         "of B holding ceil(L * (i + 1) / B) tokens ('ramp': mixed lengths up to L, "
                         f"about half the tokens; the dense peers are not run) (default: {d.lengths})")
-    parser.add_argument("--table-positions", type=count, metavar="N", default=None,
+    parser.add_argument("--table-positions", type=count, metavar="N", default=d.table_positions,
                         help="decode block-table rows N positions wide (an engine's longest context; "
                         "N >= every L), passed as a column slice of the shape's pages "
                         "(block_tables_stride) (default: rows of the shape's pages)")
@@ -141,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
         v_rotation=args.v_rotation, q_len=args.q_len, lengths=args.lengths,
-        table_positions=args.table_positions or 0, whole_table_rows=args.whole_table_rows,
+        table_positions=args.table_positions, whole_table_rows=args.whole_table_rows,
         peers=not args.no_peers, seed=args.seed,
         ceiling_bytes=args.ceiling_mib * bench.MiB, power_window_s=args.power_window)
 
