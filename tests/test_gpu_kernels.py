@@ -302,6 +302,7 @@ class DecodeCase:
         workspace_bytes = (fp8kturbov.paged_decode_workspace_bytes(
             **scalars, max_q_len=multi_token.get("max_q_len", 0)) if split else 0)
         workspace = device.upload(np.full(workspace_bytes // 4, np.nan, dtype=np.float32))
+        self.workspace = (workspace, workspace_bytes)  # the last prepared launch's, for inspection
         if multi_token:
             multi_token["query_start"] = device.upload(self.query_start)
         out_shape = (self.num_rows, self.num_q_heads, self.head_dim)
@@ -543,6 +544,61 @@ def test_wider_table_rows_decode_as_the_compact_table(device, rng, plan):
     assert relative_error_per_head(compact, case.reference()).max() <= 1e-2
     wide = case.run(device, 0.0, table_width=2 * case.max_blocks_per_seq + 3)
     assert np.array_equal(wide, compact), "wider rows changed the output"
+
+
+@pytest.mark.parametrize("bits, layout", [(2, "one_token"), (3, "one_token"), (4, "one_token"), (2, "multi_token"),
+                                          (3, "multi_token"), (4, "multi_token"), (2, "head_groups"), (3, "head_groups")])
+def test_split_slots_shared_by_length_match_reference(device, rng, bits, layout):
+    """Sequences over 8 KV heads (GQA 4), on an H200-sized GPU. For 8 sequences in tables of 8192
+    positions the plan has 8 splits of 64 tiles per sequence; for 16 in tables of 32768
+    (head_groups) 4 splits of 512 tiles, whose token streams are long enough for head groups
+    (asserted). Either way the sequences share the split slots by length (docs/api.md): the long
+    ones take as many splits as their tiles allow, the short ones one each, and the slots after the
+    last share stay idle. The output matches the reference, and fewer partials were written than
+    equal shares write (the workspace is poisoned with NaN: an idle slot writes none, where equal
+    shares write a partial per slot and query row)."""
+    q_lens = [2, 0, 1, 2, 1, 0, 1, 2] if layout == "multi_token" else None
+    if layout == "head_groups":
+        seq_lens = [20000, 0, 1, 300, 5000, 0, 17, 9000, 40, 2, 0, 600, 3, 1200, 7, 64]
+        max_blocks_per_seq = 2048
+    else:
+        seq_lens, max_blocks_per_seq = [4096, 0, 1, 100, 16, 0, 3, 50], 512
+    case = DecodeCase(rng, bits, 128, 4, 0, seq_lens=seq_lens, max_blocks_per_seq=max_blocks_per_seq,
+                      num_kv_heads=8, q_lens=q_lens)
+    if layout == "head_groups":
+        assert_head_groups_planned(**case.scalars())
+    got = case.run(device, 0.0)
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    assert relative_error_per_head(got, case.reference()).max() <= 1e-2
+    address, nbytes = case.workspace
+    partials = device.download(address, np.empty(nbytes // 4, np.float32)).reshape(-1, case.head_dim + 2)
+    max_q_len = case.multi_token_scalars().get("max_q_len", 1)
+    splits = partials.shape[0] // (case.num_seqs * max_q_len * case.num_q_heads)  # x 4 with head groups
+    equal_shares_write = splits * sum(q_lens or [1] * case.num_seqs) * case.num_q_heads  # partials
+    written = int((~np.isnan(partials[:, -1])).sum())  # each partial's denominator
+    assert splits >= 4 and 0 < written < equal_shares_write, (splits, written, equal_shares_write)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 256, 512])
+def test_split_slots_shared_by_length_at_other_head_dims(device, rng, bits, head_dim):
+    """The shares at the other head dims, whose CTAs stream 4, 2 or 1 token streams: three
+    sequences over 2 KV heads (GQA 2) in tables of 131072 positions, which plan 22 to 110 splits
+    of 75 to 376 tiles per sequence at 1 to 5 CTAs per SM, so that the sequences share the split
+    slots whatever the shape's occupancy. The long sequence (250 tiles) takes one split
+    per 8 tiles, fewer than the slots, so some stay idle. The output matches the reference, and
+    fewer partials were written than equal shares write."""
+    case = DecodeCase(rng, bits, head_dim, 2, 0, seq_lens=[4000, 0, 40], num_kv_heads=2,
+                      max_blocks_per_seq=131072 // 16)
+    got = case.run(device, 0.0)
+    assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
+    assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
+    assert relative_error_per_head(got, case.reference()).max() <= 1e-2
+    address, nbytes = case.workspace
+    partials = device.download(address, np.empty(nbytes // 4, np.float32)).reshape(-1, case.head_dim + 2)
+    splits = partials.shape[0] // (case.num_seqs * case.num_q_heads)
+    written = int((~np.isnan(partials[:, -1])).sum())
+    assert splits >= 4 and 0 < written < splits * case.num_seqs * case.num_q_heads, (splits, written)
 
 
 @pytest.mark.parametrize("bits, head_dim, group_size, num_kv_heads, block_size, window", [

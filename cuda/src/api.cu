@@ -522,6 +522,9 @@ DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, const DecodeDevice& 
     plan.num_splits = 1;
     plan.split_tokens = INT32_MAX;
   }
+  // With several sequences and many long splits, the sequences share the split slots by their lengths.
+  plan.length_shares = p.num_seqs > 1 && plan.num_splits >= kDecodeLengthShareMinSplits &&
+                       uint64_t(plan.split_tokens) / kDecodeTileTokens >= kDecodeLengthShareMinSplitTiles;
   // Head groups keep the grid, the splits and each warp's token stream; each (KV head, split) then
   // has a partial per stream.
   DecodePlan grouped = plan;

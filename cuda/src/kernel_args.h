@@ -147,6 +147,12 @@ constexpr int kDecodeMaxQueryLen = 16;  // query tokens per sequence at most (mu
 constexpr int kDecodeCtasPerSm = 4;     // launch bounds: registers sized for 4 resident CTAs per SM
 constexpr int kDecodeMinSplitTiles = 8; // no split shorter than this many tiles
 constexpr int kDecodeMaxSplits = 1024;  // partials per query head at most (splits x stream partials)
+// Split slots shared by length (DecodePlan::length_shares) where the plan has at least this many
+// splits per sequence, of at least this many tiles: finding the shares costs each CTA about a
+// microsecond before its first copies, and the merge as much, which shorter splits do not win back,
+// and 2 or 3 splits per sequence leave little to share (docs/PERFORMANCE.md, logs 65 and 66).
+constexpr int kDecodeLengthShareMinSplits = 4;
+constexpr int kDecodeLengthShareMinSplitTiles = 64;
 // Head groups (DecodePlan::stream_partials) where the plan's token streams are at least this many
 // tiles long: shorter ones lose more to the merge of 4 times the partials than the reads of
 // neighbouring heads gain (docs/PERFORMANCE.md, log 54).
@@ -170,14 +176,19 @@ __host__ __device__ constexpr bool decode_head_groups_built(int bits, int head_d
 // a pure function of the shape, the device's multiprocessor count and the workspace size).
 struct DecodePlan {
   uint32_t chunks_per_group;  // CTAs per KV head: ceil(max_q_len * group size / 8)
-  uint32_t num_splits;        // context splits per sequence
-  int32_t split_tokens;       // positions per split, a multiple of the 16-token tile
+  uint32_t num_splits;        // context splits per sequence (with length_shares: on average)
+  int32_t split_tokens;       // positions per split, a multiple of the 16-token tile (without length_shares)
+  // The sequences share the num_seqs * num_splits split slots by length (paged_decode.cuh), each
+  // dividing its range among its own; else each takes num_splits of split_tokens positions.
+  bool length_shares;
   // Partials per split and query head. 1: a CTA's warps read one KV head, and the CTA merges their
   // token streams. kDecodeWarps (head groups, where the planner allows them): a CTA's warps read
   // kDecodeWarps neighbouring KV heads, warp w head w, all over one token stream of the split, and
   // each warp writes its head's partial.
   uint32_t stream_partials;
-  float* workspace;           // [num_seqs][max_q_len][num_q_heads][partials][head_dim + 2] when partials > 1
+  // When partials > 1: [num_seqs * num_splits slots][max_q_len][num_q_heads][stream_partials][head_dim + 2]
+  // floats, as the shares of the slots lay them out (partial_address).
+  float* workspace;
 };
 
 // Partials per (sequence, query token, query head) that the merge kernel combines; 1 = no

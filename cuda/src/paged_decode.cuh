@@ -380,6 +380,134 @@ __device__ __forceinline__ bool sequence_query_rows(const DecodeArgs& a, uint32_
          (!a.index_check.enabled() || uint32_t(end) <= a.num_query_rows);
 }
 
+// FORMAT §5: a seq_len beyond the block table is clamped to it, so that no read leaves the table.
+__device__ __forceinline__ int clamped_seq_len(const DecodeArgs& a, int given_seq_len) {
+  const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
+  return min(max(given_seq_len, 0), table_positions);
+}
+
+// The first position of the sliding window of a query token that attends the positions before `end`.
+__device__ __forceinline__ int window_start(const DecodeArgs& a, int end) {
+  return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
+}
+
+// ---- Split slots ---------------------------------------------------------------------------------
+// With splits the grid holds num_splits CTAs per sequence (for each KV head and query chunk): the
+// split slots. Each sequence takes num_splits of them, of split_tokens positions each, except with
+// DecodePlan::length_shares: a batch of mixed lengths would then leave the short sequences' CTAs
+// idle and give the long ones few, so the slots are shared by length: every sequence gets one, and
+// the others go to the sequences in proportion to the tiles that their last query token attends,
+// a sequence taking at most one split per kDecodeMinSplitTiles tiles and kDecodeMaxSplits
+// partials per query head; the splits of a share divide its range evenly. The decode CTAs and the
+// merge kernel all compute the shares from seq_lens in the same order, so they agree and a result
+// is deterministic for given inputs. Slots after the last share stay idle.
+struct SplitShare {
+  uint32_t seq;
+  uint32_t first;  // the sequence's slots first ... first + count - 1 hold its splits 0 ... count - 1
+  uint32_t count;  // 0: an idle slot
+  int seq_len;     // seq_lens[seq] as given, read once by the search (unset for an idle slot)
+};
+
+// The weight of a sequence's share, given its seq_len: the tiles that its last query token attends.
+// (Capped at `cap`, which keeps the weights' sum under 2^31.)
+__device__ __forceinline__ uint32_t share_weight(const DecodeArgs& a, int given_seq_len, uint32_t cap) {
+  const int end = clamped_seq_len(a, given_seq_len);
+  return min(uint32_t(end / kTileTokens + (end % kTileTokens != 0) - window_start(a, end) / kTileTokens), cap);
+}
+
+// Exclusive prefix sum of x over the THREADS threads of the CTA (in thread order), and their total;
+// scratch holds THREADS / 32 values.
+template <int THREADS>
+__device__ uint32_t block_exclusive_sum(uint32_t x, uint32_t& total, uint32_t* scratch) {
+  const int lane = threadIdx.x % 32;
+  uint32_t inclusive = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t below = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += below;
+  }
+  __syncthreads();  // scratch may still be read by an earlier sum
+  if (lane == 31) scratch[threadIdx.x / 32] = inclusive;
+  __syncthreads();
+  uint32_t before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) {
+    before += w < int(threadIdx.x / 32) ? scratch[w] : 0;
+    total += scratch[w];
+  }
+  return before + inclusive - x;
+}
+
+// The share of sequence `key` (BY_SLOT false), or the share that holds split slot `key` (BY_SLOT
+// true; count 0 where the slot is idle), also left in found_s. Called by all THREADS threads of
+// the CTA, with length_shares; found_s and scratch (THREADS / 32 values) in shared memory.
+template <int THREADS, bool BY_SLOT>
+__device__ SplitShare split_share(const DecodeArgs& a, const DecodePlan& plan, uint32_t key, uint32_t* scratch,
+                                  SplitShare& found_s) {
+  const uint32_t num_seqs = a.num_seqs;
+  const uint32_t extra_slots = num_seqs * (plan.num_splits - 1);  // the grid's size < 2^31
+  const uint32_t most_splits = kDecodeMaxSplits / plan.stream_partials;
+  const uint32_t weight_cap = 0x7fffffffu / num_seqs;
+  // The sequences go THREADS at a time, a thread each; a batch of THREADS or fewer (the usual one)
+  // needs one pass, whose weights and sums the placement then takes as they are.
+  const bool one_pass = num_seqs <= THREADS;
+  const uint32_t own_seq = threadIdx.x;
+  const int own_seq_len = one_pass && own_seq < num_seqs ? a.seq_lens[own_seq] : 0;
+  const uint32_t own_weight = share_weight(a, own_seq_len, weight_cap);
+  uint32_t total_weight = 0, own_before = 0;
+  if (one_pass) {
+    own_before = block_exclusive_sum<THREADS>(own_weight, total_weight, scratch);
+  } else {
+    for (uint32_t first_seq = 0; first_seq < num_seqs; first_seq += THREADS) {
+      const uint32_t seq = first_seq + threadIdx.x;
+      uint32_t weight;
+      block_exclusive_sum<THREADS>(seq < num_seqs ? share_weight(a, a.seq_lens[seq], weight_cap) : 0, weight, scratch);
+      total_weight += weight;
+    }
+  }
+  // The slots past one per sequence that go to the sequences whose weights precede `weight`: any
+  // nondecreasing function from 0 at 0 to all of them at the total makes the shares sum to the
+  // slots, so single precision does (and needs no division routine, whose call spilled registers
+  // of the tile loop).
+  const float extra_per_weight = total_weight == 0 ? 0.0f : __fdividef(float(extra_slots), float(total_weight));
+  auto extra_before = [&](uint32_t weight) {
+    return weight >= total_weight ? extra_slots : min(extra_slots, uint32_t(float(weight) * extra_per_weight));
+  };
+  if (threadIdx.x == 0) found_s = SplitShare{0, 0, 0, 0};
+  uint32_t weight_before = 0, slots_before = 0;
+  for (uint32_t first_seq = 0; first_seq < num_seqs; first_seq += THREADS) {
+    const uint32_t seq = first_seq + threadIdx.x;
+    uint32_t chunk_weight = total_weight, chunk_slots;
+    const int seq_len = one_pass ? own_seq_len : seq < num_seqs ? a.seq_lens[seq] : 0;
+    const uint32_t weight = one_pass ? own_weight : share_weight(a, seq_len, weight_cap);
+    const uint32_t before =
+        one_pass ? own_before : weight_before + block_exclusive_sum<THREADS>(weight, chunk_weight, scratch);
+    uint32_t count = 0;
+    if (seq < num_seqs) {
+      count = 1 + extra_before(before + weight) - extra_before(before);
+      count = min(count, max(weight / kDecodeMinSplitTiles, 1u));
+      count = min(count, most_splits);
+    }
+    const uint32_t first = slots_before + block_exclusive_sum<THREADS>(count, chunk_slots, scratch);
+    if (count > 0 && (BY_SLOT ? key >= first && key < first + count : key == seq))
+      found_s = SplitShare{seq, uint32_t(first), uint32_t(count), seq_len};
+    weight_before += chunk_weight;
+    slots_before += chunk_slots;
+  }
+  __syncthreads();
+  return found_s;
+}
+
+// Where the partial `partial` (split · stream_partials + stream) of a sequence's query row
+// `row_in_seq` (token · num_q_heads + head) lies in the workspace: a share's partials follow
+// each other per row, the rows of a sequence each other, and the sequences in slot order.
+__device__ __forceinline__ float* partial_address(const DecodePlan& plan, const SplitShare& share, uint32_t rows_per_seq,
+                                                  uint32_t row_in_seq, uint32_t partial, int head_dim) {
+  const uint64_t slot_row = uint64_t(share.first) * rows_per_seq + uint64_t(row_in_seq) * share.count;
+  return plan.workspace + (slot_row * plan.stream_partials + partial) * uint64_t(head_dim + 2);
+}
+
 // 2^x on the special function unit (ex2.approx.ftz: relative error ~2^-22, results below 2^-126
 // flushed to 0, 2^-inf = 0, NaN stays NaN). exp2f adds a range fix-up of four instructions for
 // subnormal results, which softmax weights that are rounded to fp16 next do not need.
@@ -475,12 +603,28 @@ struct DecodeSmem {
 // its own code alone. GROUPED: head groups (DecodePlan::stream_partials), in an instance of their
 // own, for the default decode up to head_dim 128 (a warp per token stream); the other instances
 // compile as if the option did not exist.
-template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED, bool GROUPED>
-__global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
+// SHARES: split slots shared by length (DecodePlan::length_shares), for the default decode and head
+// groups in instances of their own, so that a plan without shares runs the code it ran before the
+// option existed (in one instance, the shares' prologue cost the plans without them up to 4 %: log
+// 66); the EXTENDED instance follows the plan's flag.
+// The launch bounds' resident CTAs per SM: kDecodeCtasPerSm, except for the SHARES twin of the
+// default instance at head_dim 64 with 2-bit V. Like that instance, it fits 5: left to itself, ptxas
+// gave it 107 registers (4 CTAs per SM) where the plan, made for the default instance, counts 5 (93
+// registers when asked for 5, without spills).
+template <int BITS, int HEAD_DIM, int CODE_COPY, bool GROUPED, bool SHARES>
+constexpr int decode_min_ctas_per_sm() {
+  const bool wide_copy = CODE_COPY == DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
+  return BITS == 2 && HEAD_DIM == 64 && wide_copy && SHARES && !GROUPED ? 5 : kDecodeCtasPerSm;
+}
+
+template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED, bool GROUPED, bool SHARES>
+__global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, HEAD_DIM, CODE_COPY, GROUPED, SHARES>()))
     paged_decode_kernel(const DecodeArgs a, const DecodePlan plan, const __grid_constant__ DecodeTensorMaps maps) {
   using S = DecodeShape<BITS, HEAD_DIM>;
   using L = DecodeSmem<BITS, HEAD_DIM, GROUPED>;
   static_assert(!GROUPED || (decode_head_groups_built(BITS, HEAD_DIM) && !EXTENDED), "head groups: the default decode");
+  static_assert(!(SHARES && EXTENDED), "the extended instance follows DecodePlan::length_shares");
+  const bool length_shares = EXTENDED ? plan.length_shares : SHARES;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* const ring = smem;
   auto q_s = reinterpret_cast<__half(*)[L::kQRowElems]>(smem + L::kQOffset);  // [L::kQRows]
@@ -524,10 +668,20 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   // read the same token rows of the pools run side by side and share their DRAM pages and sectors.
   const uint32_t chunk = blockIdx.x % plan.chunks_per_group;
   const uint32_t cta_head = blockIdx.x / plan.chunks_per_group % a.num_kv_heads;
-  const uint32_t seq_split = blockIdx.x / plan.chunks_per_group / a.num_kv_heads;
-  const uint32_t seq = seq_split / plan.num_splits;
-  const uint32_t split = seq_split % plan.num_splits;
-  const int given_seq_len = a.seq_lens[seq];  // issued first: the CTA's range waits on it
+  const uint32_t slot = blockIdx.x / plan.chunks_per_group / a.num_kv_heads;  // its split slot
+  // The shares are found in the query's shared memory, which the query fills only after them:
+  // static shared memory of their own cost some shapes a CTA per multiprocessor (head_dim 64).
+  static_assert(L::kQBytes >= kDecodeWarps * sizeof(uint32_t) + sizeof(SplitShare), "room for the shares");
+  uint32_t* const share_scratch = reinterpret_cast<uint32_t*>(smem + L::kQOffset);
+  SplitShare& share_s = *reinterpret_cast<SplitShare*>(smem + L::kQOffset + kDecodeWarps * sizeof(uint32_t));
+  const SplitShare share = length_shares
+                               ? split_share<kDecodeThreads, true>(a, plan, slot, share_scratch, share_s)
+                               : SplitShare{slot / plan.num_splits, slot / plan.num_splits * plan.num_splits, plan.num_splits, 0};
+  if (share.count == 0) return;  // an idle slot (CTA-uniform)
+  const uint32_t seq = share.seq;
+  const uint32_t split = slot - share.first;
+  // Issued first: the CTA's range waits on it. The shares' search has read it already.
+  const int given_seq_len = length_shares ? share.seq_len : a.seq_lens[seq];
   const bool reports = a.index_check.enabled() && tid == 0 && chunk == 0 && cta_head == 0 && split == 0;  // once per sequence
   // This warp's KV head and token stream. Head groups: the kDecodeWarps CTAs of a group (cta_head
   // over its heads) each take one token stream of the split, and their warps the group's heads,
@@ -601,25 +755,28 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   }
 
   // FORMAT §5: a column attends positions [window_start(end), end), end = seq_len - q_len + token
-  // + 1 (causal inside the query chunk; seq_len for one token); a length beyond the block table
-  // is clamped to it so that no read leaves the table. The CTA's range spans its columns'; it
-  // takes its split's share of whole tiles.
-  const int table_positions = int(a.max_blocks_per_seq * a.block_size);  // < 2^31, validated
-  const int seq_len = min(max(given_seq_len, 0), table_positions);
+  // + 1 (causal inside the query chunk; seq_len for one token). The CTA's range spans its
+  // columns'; the splits of its sequence's share divide the range's tiles evenly, in whole tiles
+  // per token stream.
+  const int seq_len = clamped_seq_len(a, given_seq_len);
   if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
   if (reports && EXTENDED && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
   auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
-  auto window_start = [&](int end) {
-    return (a.sliding_window > 0 && end > int(a.sliding_window)) ? end - int(a.sliding_window) : 0;
-  };
-  const int start = window_start(column_end(0));
+  const int start = window_start(a, column_end(0));
   const int attend_end = column_end(num_columns - 1);
   // Columns of several query tokens attend different ranges: their loop masks per column.
   const bool columns_masked = column_token(0) != column_token(num_columns - 1);
   // Tiles sit on absolute multiples of 16 positions (so that with block_size % 16 == 0 a tile lies
   // in one page); rows outside [range_begin, range_end) are masked.
-  const int64_t split_begin = (start & ~(kTileTokens - 1)) + int64_t(split) * plan.split_tokens;
-  const int64_t split_end = split_begin + plan.split_tokens;
+  const int first_position = start & ~(kTileTokens - 1);
+  const int range_tiles = int((int64_t(max(attend_end - first_position, 0)) + kTileTokens - 1) / kTileTokens);
+  const int64_t split_tokens =
+      length_shares
+          ? int64_t((range_tiles + int(share.count) - 1) / int(share.count) + S::kStreams - 1) / S::kStreams * S::kStreams *
+                kTileTokens
+          : plan.split_tokens;
+  const int64_t split_begin = first_position + split * split_tokens;
+  const int64_t split_end = split_begin + split_tokens;
   const int range_begin = int(split_begin > start ? split_begin : start);
   const int range_end = int(split_end < attend_end ? split_end : attend_end);
   const bool tile_in_one_page = a.block_size % kTileTokens == 0;
@@ -863,7 +1020,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
   #pragma unroll
       for (int c = 0; c < 2; ++c) {
         column_stop[c] = column_end(2 * t + c);
-        column_begin[c] = window_start(column_stop[c]);
+        column_begin[c] = window_start(a, column_stop[c]);
       }
     }
     // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t). The
@@ -1114,8 +1271,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
       for (int c = 0; c < 2; ++c) {
         const int column = 2 * t + c;
         if (column >= num_columns) continue;
-        const uint64_t row = uint64_t(seq) * a.num_q_heads + column_head(column);
-        float* part = plan.workspace + (row * decode_partials(plan) + partial) * (HEAD_DIM + 2);
+        float* part = partial_address(plan, share, a.num_q_heads, column_head(column), partial, HEAD_DIM);
   #pragma unroll
         for (int i = 0; i < S::kMTiles; ++i)
           *reinterpret_cast<float2*>(part + thread_d0 + 2 * i) = make_float2(acc[i][c], acc[i][2 + c]);
@@ -1202,8 +1358,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm)
         const uint64_t row = uint64_t(row0 + token) * a.num_q_heads + head;
         a.output[row * HEAD_DIM + d] = __bfloat16_as_ushort(__float2bfloat16(out));
       } else {
-        const uint64_t row = (uint64_t(seq) * (EXTENDED ? a.max_q_len : 1u) + token) * a.num_q_heads + head;
-        float* part = plan.workspace + (row * plan.num_splits + split) * (HEAD_DIM + 2);
+        const uint32_t rows_per_seq = (EXTENDED ? a.max_q_len : 1u) * a.num_q_heads;
+        float* part = partial_address(plan, share, rows_per_seq, token * a.num_q_heads + head, split, HEAD_DIM);
         part[d] = o;
         if (d == 0) {
           part[HEAD_DIM] = m;
@@ -1244,7 +1400,7 @@ constexpr int kMergeLoadBatch = 32;
 // the first batch is requested before the weights, so its latency overlaps theirs. EXTENDED as for
 // the decode kernel: the default decode gets an instance without the multi-token indexing and the
 // rotation.
-template <int HEAD_DIM, bool EXTENDED>
+template <int HEAD_DIM, bool EXTENDED, bool SHARES>
 __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs a, const DecodePlan plan) {
   __shared__ float weight_s[kDecodeMaxSplits];  // per partial
   __shared__ float scratch[HEAD_DIM / 32];
@@ -1262,8 +1418,16 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
     out_row = uint64_t(row0 + token) * a.num_q_heads + row % a.num_q_heads;
   }
   const int tid = threadIdx.x;
-  const int num_partials = int(decode_partials(plan));
-  const float* parts = plan.workspace + uint64_t(row) * num_partials * (HEAD_DIM + 2);
+  // The shares read seq_lens only, so they are found while the decode grid still runs.
+  const uint32_t rows_per_seq = (EXTENDED ? a.max_q_len : 1u) * a.num_q_heads;
+  const uint32_t seq = row / rows_per_seq;
+  __shared__ SplitShare share_s;
+  __shared__ uint32_t share_scratch[HEAD_DIM / 32];
+  const bool length_shares = EXTENDED ? plan.length_shares : SHARES;  // as in the decode kernel
+  const SplitShare share = length_shares ? split_share<HEAD_DIM, false>(a, plan, seq, share_scratch, share_s)
+                                              : SplitShare{seq, seq * plan.num_splits, plan.num_splits, 0};
+  const int num_partials = int(share.count * plan.stream_partials);
+  const float* parts = partial_address(plan, share, rows_per_seq, row % rows_per_seq, 0, HEAD_DIM);
   wait_for_prerequisite_grid();
   float batch[kMergeLoadBatch];  // this thread's elements of splits s0 ... s0 + kMergeLoadBatch - 1
   auto load_batch = [&](int s0) {
@@ -1310,17 +1474,18 @@ struct DecodeInstance {
 };
 
 // The decode kernel instance for a pool layout (wide_code_copy: the shape's widest code copy, else
-// 4 bytes), EXTENDED and GROUPED. Head groups are built for some shapes only, and for the default
-// decode only.
-template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED = false>
+// 4 bytes), EXTENDED, GROUPED and SHARES. Head groups are built for some shapes only, and for the
+// default decode only; the extended instance has no SHARES twin.
+template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED = false, bool SHARES = false>
 DecodeInstance decode_instance(bool wide_code_copy) {
-  if constexpr (GROUPED && (EXTENDED || !decode_head_groups_built(BITS, HEAD_DIM))) {
+  if constexpr ((GROUPED && (EXTENDED || !decode_head_groups_built(BITS, HEAD_DIM))) || (SHARES && EXTENDED)) {
     return {nullptr, 0};
   } else {
     constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
     const void* kernel =
-        wide_code_copy ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED, GROUPED>)
-                       : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED, GROUPED>);
+        wide_code_copy
+            ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED, GROUPED, SHARES>)
+            : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED, GROUPED, SHARES>);
     return {kernel, DecodeSmem<BITS, HEAD_DIM, GROUPED>::kBytes};
   }
 }
@@ -1447,9 +1612,13 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   const bool extended = args.query_start != nullptr || args.rotated_v;
   const bool wide_code_copy = args.v_code_copy_bytes >= DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
   // Head groups (stream_partials > 1): the planner allows them for the default decode only.
-  const auto [kernel, smem_bytes] = plan.stream_partials > 1 ? decode_instance<BITS, HEAD_DIM, false, true>(wide_code_copy)
-                                    : extended               ? decode_instance<BITS, HEAD_DIM, true>(wide_code_copy)
-                                                             : decode_instance<BITS, HEAD_DIM, false>(wide_code_copy);
+  const bool grouped = plan.stream_partials > 1, shares = plan.length_shares && !extended;
+  const auto [kernel, smem_bytes] =
+      extended            ? decode_instance<BITS, HEAD_DIM, true>(wide_code_copy)
+      : grouped && shares ? decode_instance<BITS, HEAD_DIM, false, true, true>(wide_code_copy)
+      : grouped           ? decode_instance<BITS, HEAD_DIM, false, true>(wide_code_copy)
+      : shares            ? decode_instance<BITS, HEAD_DIM, false, false, true>(wide_code_copy)
+                          : decode_instance<BITS, HEAD_DIM, false>(wide_code_copy);
   // Set on every launch: the attribute belongs to the current device's copy of the kernel. It is
   // not a stream operation, so launches stay capturable.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
@@ -1485,8 +1654,9 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   }
   err = cudaLaunchKernelExC(&config, kernel, params);
   if (err != cudaSuccess || decode_partials(plan) == 1) return err;
-  const void* merge = extended ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true>)
-                               : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false>);
+  const void* merge = extended ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true, false>)
+                      : shares   ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false, true>)
+                                 : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false, false>);
   cudaLaunchConfig_t merge_config{};
   merge_config.gridDim = dim3(args.num_seqs * args.max_q_len * args.num_q_heads);
   merge_config.blockDim = dim3(HEAD_DIM);
@@ -1509,8 +1679,9 @@ cudaError_t decode_ctas_per_sm(int device, bool head_groups, int* count) {
   static PerDeviceCache caches[2];  // the answers depend on the device only
   PerDeviceCache& cache = caches[head_groups];
   if ((*count = cache.get(device)) > 0) return cudaSuccess;
-  // The default (not EXTENDED) kernel's: all instances but the head groups' share the launch bounds
-  // and shared memory size; the head groups' hold more query rows.
+  // The default (not EXTENDED) kernel's: the other instances but the head groups' have its shared
+  // memory size, and its twin for split shares as many CTAs per SM (decode_min_ctas_per_sm); the
+  // head groups' hold more query rows.
   const auto [kernel, smem_bytes] =
       head_groups ? decode_instance<BITS, HEAD_DIM, false, true>(true) : decode_instance<BITS, HEAD_DIM, false>(true);
   if (kernel == nullptr) {  // head groups not built for this shape
