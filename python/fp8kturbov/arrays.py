@@ -860,7 +860,9 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     ``max_blocks_per_seq * block_size`` positions, not for ``seq_lens``: where an engine's table
     rows are sized for its longest context, pass the column slice of the batch's pages
     (``block_tables[:, :pages]``, pages enough for its longest sequence), and size the workspace
-    with the same ``max_blocks_per_seq``. ``seq_lens``: int32 ``[num_seqs]``, contiguous.
+    with the same ``max_blocks_per_seq``. A batch of mixed lengths is planned for its longest
+    sequence; where that plan has several long splits per sequence, the sequences share its CTAs
+    by their ``seq_lens`` on the device (docs/api.md). ``seq_lens``: int32 ``[num_seqs]``, contiguous.
     ``out``: bf16, dense, q's shape; None allocates it like q (torch or CuPy q only; on their
     allocator's current stream). ``inv_sqrt_d`` defaults to
     ``head_dim**-0.5``; ``sliding_window`` 0 is off; ``sparse_v_threshold`` 0 is exact.
