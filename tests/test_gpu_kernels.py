@@ -546,6 +546,14 @@ def test_wider_table_rows_decode_as_the_compact_table(device, rng, plan):
     assert np.array_equal(wide, compact), "wider rows changed the output"
 
 
+def written_partials(device, case: DecodeCase) -> tuple[int, int]:
+    """The partials that the workspace of the case's last launch holds room for, and those that the
+    launch wrote (the workspace is poisoned with NaN; a written partial has a denominator)."""
+    address, nbytes = case.workspace
+    partials = device.download(address, np.empty(nbytes // 4, np.float32)).reshape(-1, case.head_dim + 2)
+    return partials.shape[0], int((~np.isnan(partials[:, -1])).sum())
+
+
 @pytest.mark.parametrize("bits, layout", [(2, "one_token"), (3, "one_token"), (4, "one_token"), (2, "multi_token"),
                                           (3, "multi_token"), (4, "multi_token"), (2, "head_groups"), (3, "head_groups")])
 def test_split_slots_shared_by_length_match_reference(device, rng, bits, layout):
@@ -570,12 +578,10 @@ def test_split_slots_shared_by_length_match_reference(device, rng, bits, layout)
     got = case.run(device, 0.0)
     assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
     assert relative_error_per_head(got, case.reference()).max() <= 1e-2
-    address, nbytes = case.workspace
-    partials = device.download(address, np.empty(nbytes // 4, np.float32)).reshape(-1, case.head_dim + 2)
+    room, written = written_partials(device, case)
     max_q_len = case.multi_token_scalars().get("max_q_len", 1)
-    splits = partials.shape[0] // (case.num_seqs * max_q_len * case.num_q_heads)  # x 4 with head groups
+    splits = room // (case.num_seqs * max_q_len * case.num_q_heads)  # x 4 with head groups
     equal_shares_write = splits * sum(q_lens or [1] * case.num_seqs) * case.num_q_heads  # partials
-    written = int((~np.isnan(partials[:, -1])).sum())  # each partial's denominator
     assert splits >= 4 and 0 < written < equal_shares_write, (splits, written, equal_shares_write)
 
 
@@ -594,10 +600,8 @@ def test_split_slots_shared_by_length_at_other_head_dims(device, rng, bits, head
     assert not np.isnan(got).any(), "an output element was left unwritten (poison NaN)"
     assert np.all(got[case.seq_lens == 0] == 0), "seq_len 0 must give zeros"
     assert relative_error_per_head(got, case.reference()).max() <= 1e-2
-    address, nbytes = case.workspace
-    partials = device.download(address, np.empty(nbytes // 4, np.float32)).reshape(-1, case.head_dim + 2)
-    splits = partials.shape[0] // (case.num_seqs * case.num_q_heads)
-    written = int((~np.isnan(partials[:, -1])).sum())
+    room, written = written_partials(device, case)
+    splits = room // (case.num_seqs * case.num_q_heads)
     assert splits >= 4 and 0 < written < splits * case.num_seqs * case.num_q_heads, (splits, written)
 
 
