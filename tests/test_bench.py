@@ -601,6 +601,7 @@ def fake_rows() -> list[dict]:
     decode = bench.Result.for_shape(D128_3BIT)
     decode.record(bench.Timing.of([14.0, 15.0]), read.gbps)
     decode.in_graph_us = 12.75
+    decode.plain_read_us = 12.5
     decode.peers = {"bf16_sdpa": {"status": "ok", **bench.measured(
         bench.peer_bytes(D128_3BIT, 2), bench.Timing.of([50.0]), read.gbps)},
         "fp8_sdpa": {"status": "ok", **bench.measured(bench.peer_bytes(D128_3BIT, 1), bench.Timing.of([30.0]),
@@ -642,11 +643,11 @@ def test_report_has_the_table_ceiling_floor_and_context():
     report = bench.format_report(fake_rows(), DEVICE, bench.Config())
     lines = report.splitlines()
     assert lines[0].split() == ["op", "bits", "shape", "D", "us", "GB/s", "%", "ceil", "floor",
-                                "us", "in-graph", "us", "bf16", "sdpa", "us", "fp8", "sdpa", "us",
+                                "us", "read", "us", "in-graph", "us", "bf16", "sdpa", "us", "fp8", "sdpa", "us",
                                 "flashinfer", "fp8", "us", "note"]
     decode = next(line for line in lines if "1x32768" in line).split()
     assert decode[:5] == ["decode", "3", "1x32768", "128", "14.50"]
-    assert decode[-4:] == ["12.75", "50.00", "30.00", "absent"]
+    assert decode[-5:] == ["12.50", "12.75", "50.00", "30.00", "absent"]
     assert any(line.split()[:3] == ["write", "3", "16"] and line.endswith("L2") for line in lines)
     assert "decode 32x32768 D128 4b: skipped: needs 200.0 GiB, 100.0 GiB free" in lines
     assert "decode 32x32768 D128 bf16_sdpa: skipped: needs 24.0 GiB, 1.0 GiB free" in lines
@@ -764,14 +765,23 @@ class FakeRunnerDevice:
     """The part of `bench.Device` that `_Runner.case` asks directly (the launches are stubbed; a
     graph launch is logged)."""
 
+    stream = 7  # a raw CUstream handle as int() reads it
+
     def __init__(self) -> None:
-        self.launched = []
+        self.launched, self.allocated, self.memsets = [], [], []
 
     def launch(self, graph) -> None:
         self.launched.append(graph)
 
     def attribute(self, name: str) -> int:
-        return 60 << 20
+        return {"MULTIPROCESSOR_COUNT": 132}.get(name, 60 << 20)  # else the L2's size
+
+    def alloc(self, nbytes: int) -> int:
+        self.allocated.append(nbytes)
+        return 0x1000 * len(self.allocated)
+
+    def memset(self, address: int, value: int, nbytes: int) -> None:
+        self.memsets.append((address, value, nbytes))
 
     def memory(self) -> tuple[int, int]:
         return 100 << 30, 141 << 30
@@ -779,6 +789,55 @@ class FakeRunnerDevice:
     @contextlib.contextmanager
     def scope(self):
         yield
+
+
+def test_plain_read_times_the_read_kernel_over_the_bytes_of_each_set(monkeypatch):
+    reads = []
+    monkeypatch.setattr(_bench_kernels, "read", lambda stream, src, nbytes, sink, ctas: reads.append(
+        (stream, src, nbytes, sink, ctas)))
+
+    def time_graphs(dev, enqueues, iters, warmup):
+        assert (iters, warmup) == (config.iters, config.warmup)
+        for enqueue in enqueues:
+            enqueue()
+        return bench.Timing.of([14.0, 15.0, 17.0])
+
+    monkeypatch.setattr(bench, "time_graphs", time_graphs)
+    dev, config = FakeRunnerDevice(), bench.Config(sets=3)
+    assert bench.time_plain_read(dev, 1000, config) == 15.0
+    sink, *buffers = [0x1000 * (i + 1) for i in range(4)]
+    assert dev.allocated == [4, 1008, 1008, 1008]  # the sink, then a set's bytes rounded up to 16
+    assert dev.memsets == [(buffer, 1, 1008) for buffer in buffers]
+    assert reads == [(7, buffer, 1008, sink, bench.READ_CTAS_PER_SM * 132) for buffer in buffers]
+    # 3 sets of 40 GiB do not fit in the 100 GiB free: nothing allocated, nothing timed
+    dev = FakeRunnerDevice()
+    assert bench.time_plain_read(dev, 40 * bench.GiB, config) is None and dev.allocated == []
+
+
+def test_decode_rows_and_their_peers_get_a_plain_read_of_their_bytes(monkeypatch):
+    def absent(dev, shape, config, power):
+        raise bench.PeerUnavailable("absent")
+
+    plain_reads = []
+    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench, "write_enqueues", lambda dev, shape, config, rng: [])
+    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
+    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
+    monkeypatch.setattr(bench, "time_plain_read", lambda dev, nbytes, config: plain_reads.append(nbytes) or
+                        nbytes / 1e6)
+    monkeypatch.setattr(bench, "PEERS", {"bf16_sdpa": lambda dev, shape, config, power: (5_000_000, bench.Timing.of(
+        [50.0])), "fp8_flashinfer": absent})
+    config = bench.Config(ops=("decode", "write"), shapes=((32, 8192),), bits=(2, 3), tokens=(16,))
+    runner = bench._Runner(FakeRunnerDevice(), config, 4000.0)
+    cases = bench.build_cases(config)
+    two, three = (runner.case(shape) for shape in cases if shape.op == "decode")
+    write = runner.case(next(shape for shape in cases if shape.op == "write"))
+    assert (two.plain_read_us, three.plain_read_us) == (two.bytes / 1e6, three.bytes / 1e6)
+    assert two.peers["bf16_sdpa"]["plain_read_us"] == 5.0 and "plain_read_us" not in two.peers["fp8_flashinfer"]
+    assert write.plain_read_us is None
+    assert plain_reads == [two.bytes, 5_000_000, three.bytes]  # the peers' once for the shape
+    assert bench.table_rows([bench.dataclasses.asdict(two)])[0][8] == f"{two.bytes / 1e6:.2f}"
 
 
 @pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_sdpa"])
@@ -988,12 +1047,15 @@ def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
     assert [row["in_graph_us"] is not None and row["in_graph_us"] > 0 for row in rows] == [False, False, True,
                                                                                           True, True]
     assert rows[3]["bytes"] == bench.launch_bytes(bench.build_cases(config)[0])
+    assert [row["plain_read_us"] is not None and row["plain_read_us"] > 0 for row in rows] == [False, False, False,
+                                                                                              True, False]
     for row in rows:  # None where NVML's counters are not available
         held = row["clock_limited"]
         assert held is None or (set(held) == {"power cap", "thermal"} and all(0 <= s <= 1 for s in held.values()))
     assert set(rows[3]["peers"]) == set(bench.PEERS)
     for peer in rows[3]["peers"].values():
         assert peer["status"] == "absent" or peer["status"] == "ok", peer["status"]
+        assert peer["status"] != "ok" or peer["plain_read_us"] > 0
     assert device["l2_bytes"] > 0 and device["name"]
     report = bench.format_report(rows, device, config)
     assert "read bandwidth" in report and "copy bandwidth (read+write)" in report and "launch floor" in report

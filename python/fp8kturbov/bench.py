@@ -19,6 +19,11 @@ What is measured
 * **launch floor**: a CUDA graph holding one empty kernel (one warp, ``cuda/bench``), timed exactly
   like the library's launches: the smallest time this method reports for any launch.
 * **decode / write**: one library launch per CUDA graph (one graph per input set), replayed.
+* **plain read** (``plain_read_us``, decode rows and their peers): the read kernel of the ceiling
+  over exactly the row's bytes, one launch per CUDA graph replay, rotating as many buffers as the
+  row has input sets. It is what one launch that must read those bytes takes at best on this
+  device, its launch, ramp-up and tail included, where the floor counts the bytes alone: a short
+  row's plain read lies well above its floor (on an H200, 48 MB take 14.6 µs against 10.7 µs).
 * **in-graph time** (``in_graph_us``, also of the launch floor): one CUDA graph of 32 launches
   back to back, rotating the input sets, replayed; its time divided by 32. That is what a launch
   costs inside an engine's captured decode step: a graph node, without a graph launch of its own.
@@ -609,6 +614,7 @@ class Result:
     gbps: float | None = None
     pct_of_ceiling: float | None = None
     floor_us: float | None = None
+    plain_read_us: float | None = None  # the row's bytes by the ceiling's read kernel (`time_plain_read`)
     in_graph_us: float | None = None  # per launch, GRAPH_CHAIN of them in one graph (median)
     clock_limited: dict[str, float] | None = None  # see `clock_limits_held`; None: not known
     power_w: float | None = None  # mean board power, W (`mean_power_w`); None: not measured
@@ -1161,6 +1167,24 @@ def record_launches(result: Result, dev: Device, enqueues: Sequence[Callable[[],
         result.energy_mj = energy_mj(result.power_w, result.in_graph_us)
 
 
+def time_plain_read(dev: Device, nbytes: int, config: Config) -> float | None:
+    """µs of the ceiling's read kernel over ``nbytes`` (rounded up to `READ_ALIGNMENT`), one
+    launch per graph replay, rotating ``config.sets`` buffers as a row rotates its input sets
+    (median of ``config.iters``); None where those buffers do not fit in the free memory."""
+    n = -(-nbytes // READ_ALIGNMENT) * READ_ALIGNMENT
+    free, _ = dev.memory()
+    if not fits_in_memory(config.sets * n, free):
+        return None
+    ctas = READ_CTAS_PER_SM * dev.attribute("MULTIPROCESSOR_COUNT")
+    with dev.scope():
+        sink, buffers = dev.alloc(4), [dev.alloc(n) for _ in range(config.sets)]
+        for buffer in buffers:
+            dev.memset(buffer, 1, n)
+        reads = [functools.partial(_bench_kernels.read, int(dev.stream), buffer, n, sink, ctas)
+                 for buffer in buffers]
+        return time_graphs(dev, reads, config.iters, config.warmup).median_us
+
+
 def measure_launch_floor(dev: Device, config: Config, ceiling_gbps: float,
                          counters: NvmlCounters | None = None) -> Result:
     """The launch floor: one empty kernel, timed like the library's launches."""
@@ -1183,6 +1207,13 @@ class _Runner:
         self.l2_bytes = dev.attribute("L2_CACHE_SIZE")
         self._chunks: dict[Shape, Chunk] = {}
         self._peers: dict[Shape, dict[str, dict[str, Any]]] = {}
+        self._plain_reads: dict[int, float | None] = {}
+
+    def plain_read_us(self, nbytes: int) -> float | None:
+        """`time_plain_read` of ``nbytes``, once per byte count of the run."""
+        if nbytes not in self._plain_reads:
+            self._plain_reads[nbytes] = time_plain_read(self.dev, nbytes, self.config)
+        return self._plain_reads[nbytes]
 
     def chunk(self, shape: Shape) -> Chunk:
         key = dataclasses.replace(shape, batch=0, context=0)  # the chunk depends on the layout only
@@ -1204,16 +1235,21 @@ class _Runner:
             record_launches(result, self.dev, enqueues, self.config, self.ceiling, self.counters, self.power)
         if fits_in_l2(result.bytes, self.config.sets, self.l2_bytes):
             result.note = ", ".join(filter(None, ["L2", result.note]))
-        if shape.op == "decode" and self.config.peers and shape.q_len == 1:
-            result.peers = self.peers(shape)
+        if shape.op == "decode":
+            result.plain_read_us = self.plain_read_us(result.bytes)
+            if self.config.peers and shape.q_len == 1:
+                result.peers = self.peers(shape)
         return result
 
     def peers(self, shape: Shape) -> dict[str, dict[str, Any]]:
         key = dataclasses.replace(shape, bits=0)  # peers do not depend on the V bits
         if key not in self._peers:
-            self._peers[key] = {name: run_peer(name, self.dev, shape, self.config, self.ceiling, self.counters,
-                                               self.power)
-                                for name in PEERS}
+            peers = {name: run_peer(name, self.dev, shape, self.config, self.ceiling, self.counters, self.power)
+                     for name in PEERS}
+            for peer in peers.values():
+                if peer["status"] == "ok":
+                    peer["plain_read_us"] = self.plain_read_us(peer["bytes"])
+            self._peers[key] = peers
         return self._peers[key]
 
 
@@ -1314,7 +1350,7 @@ def _peer_cell(peer: dict[str, Any] | None) -> str:
     return peer["status"].split(":", 1)[0]  # the reason is listed under the table
 
 
-TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "in-graph us",
+TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "read us", "in-graph us",
                  *(f"{PEER_LABELS[name]} us" for name in PEERS), "note")
 
 
@@ -1323,7 +1359,7 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
-             format_number(row["in_graph_us"], 2),
+             format_number(row["plain_read_us"], 2), format_number(row["in_graph_us"], 2),
              *(_peer_cell(row["peers"].get(name)) for name in PEERS), row["note"].split(":", 1)[0])
             for row in rows if row["op"] in OPS]
 
@@ -1381,7 +1417,8 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
     if "read" in by_op:
         read = by_op["read"]
         lines.append(f"read bandwidth: {format_number(read['gbps'], 0)} GB/s ({read['shape']}, median "
-                     f"of {read['samples']}): the ceiling of '% ceil' and 'floor us'")
+                     f"of {read['samples']}): the ceiling of '% ceil' and 'floor us'; its kernel over a row's "
+                     "bytes, one launch per graph replay, the row's 'read us'")
     if "copy" in by_op:
         copy = by_op["copy"]
         lines.append(f"copy bandwidth (read+write): {format_number(copy['gbps'], 0)} GB/s "
