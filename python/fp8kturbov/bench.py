@@ -1543,7 +1543,8 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
 def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
     """A roofline-style PNG: bytes per launch (log x) against achieved GB/s (log y), one marker
     series per op/bits/head_dim with each point named by its shape, peers as separate markers,
-    the ceiling as a horizontal line and the ceiling-plus-launch-floor curve. Returns None when
+    the plain read of each point's bytes (where measured) as a dash, the ceiling as a horizontal
+    line and the ceiling-plus-launch-floor curve. Returns None when
     written, else why it was not."""
     try:
         import matplotlib
@@ -1573,6 +1574,10 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
             axes.scatter([p["bytes"] for p in peers], [p["gbps"] for p in peers], marker=marker,
                          s=60, color="black", label=f"peer {name}", zorder=3)
         plotted += peers
+    reads = [r for r in plotted if r.get("plain_read_us")]
+    if reads:
+        axes.scatter([r["bytes"] for r in reads], [gbps(r["bytes"], r["plain_read_us"]) for r in reads],
+                     marker="_", s=120, color="gray", label="plain read of the same bytes", zorder=2)
     axes.axhline(ceiling, color="red", linestyle="--", label=f"read ceiling {ceiling:.0f} GB/s")
     if "launch" in by_op:
         launch_us = by_op["launch"]["median_us"]
