@@ -23,7 +23,7 @@ What is measured
   over exactly the row's bytes, one launch per CUDA graph replay, rotating as many buffers as the
   row has input sets. It is what one launch that must read those bytes takes at best on this
   device, its launch, ramp-up and tail included, where the floor counts the bytes alone: a short
-  row's plain read lies well above its floor (on an H200, 48 MB take 14.6 µs against 10.7 µs).
+  row's plain read lies well above its floor (on an H200, 48 MB take 14.9 µs against 10.7 µs).
 * **in-graph time** (``in_graph_us``, also of the launch floor): one CUDA graph of 32 launches
   back to back, rotating the input sets, replayed; its time divided by 32. That is what a launch
   costs inside an engine's captured decode step: a graph node, without a graph launch of its own.
