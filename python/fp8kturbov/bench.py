@@ -1118,6 +1118,13 @@ def progress(items: Sequence[Any], label: Callable[[Any], str], enabled: bool = 
             yield item
 
 
+def read_enqueue(dev: Device, src: int, nbytes: int, sink: int) -> Callable[[], None]:
+    """Enqueues the bench's read kernel over ``nbytes`` at ``src`` on ``dev.stream``, with
+    `READ_CTAS_PER_SM` CTAs per SM; ``sink``: a writable 4-byte word (`_bench_kernels.read`)."""
+    ctas = READ_CTAS_PER_SM * dev.attribute("MULTIPROCESSOR_COUNT")
+    return functools.partial(_bench_kernels.read, int(dev.stream), src, nbytes, sink, ctas)
+
+
 def measure_ceiling(dev: Device, config: Config, counters: NvmlCounters | None = None) -> tuple[Result, Result]:
     """The ceiling, a read of ``config.ceiling_bytes`` by the bench's read kernel (bytes read), and
     beside it a DtoD copy of as many bytes (bytes read plus bytes written): ``(read, copy)``, each
@@ -1128,12 +1135,11 @@ def measure_ceiling(dev: Device, config: Config, counters: NvmlCounters | None =
     free, _ = dev.memory()
     if not fits_in_memory(2 * n, free):
         raise BenchError(f"the ceiling needs 2 x {n / GiB:g} GiB, {free / GiB:.1f} GiB free")
-    ctas = READ_CTAS_PER_SM * dev.attribute("MULTIPROCESSOR_COUNT")
     with dev.scope():
         src, dst, sink = dev.alloc(n), dev.alloc(n), dev.alloc(4)
         dev.memset(src, 1, n)  # touch both buffers before timing
         dev.memset(dst, 0, n)
-        read_once = functools.partial(_bench_kernels.read, int(dev.stream), src, n, sink, ctas)
+        read_once = read_enqueue(dev, src, n, sink)
         with clock_limits_held(counters) as held:
             timing = time_launches(dev, [read_once], COPY_ITERS, COPY_WARMUP)
         read.record(timing, gbps(read.bytes, timing.median_us))
@@ -1175,13 +1181,11 @@ def time_plain_read(dev: Device, nbytes: int, config: Config) -> float | None:
     free, _ = dev.memory()
     if not fits_in_memory(config.sets * n, free):
         return None
-    ctas = READ_CTAS_PER_SM * dev.attribute("MULTIPROCESSOR_COUNT")
     with dev.scope():
         sink, buffers = dev.alloc(4), [dev.alloc(n) for _ in range(config.sets)]
         for buffer in buffers:
             dev.memset(buffer, 1, n)
-        reads = [functools.partial(_bench_kernels.read, int(dev.stream), buffer, n, sink, ctas)
-                 for buffer in buffers]
+        reads = [read_enqueue(dev, buffer, n, sink) for buffer in buffers]
         return time_graphs(dev, reads, config.iters, config.warmup).median_us
 
 
