@@ -45,6 +45,15 @@ extern "C" {
 /* Bumped on any incompatible change of a signature, struct layout or enum value. */
 #define FP8KTURBOV_ABI_VERSION 1
 
+/* ---- Defaults and limits (each written here once; the *_params_init functions and the
+ * fixed-argument launchers use them) ---------------------------------------------------------- */
+/* fp8kturbov_decode_params_t::sparse_v_threshold of fp8kturbov_decode_params_init. */
+#define FP8KTURBOV_DEFAULT_SPARSE_V_THRESHOLD 1e-3f
+/* The default V code width (v_bits) of every *_params_init. */
+#define FP8KTURBOV_DEFAULT_V_BITS 3
+/* Query tokens per sequence of a multi-token decode (max_q_len) at most. */
+#define FP8KTURBOV_MAX_QUERY_LEN 16
+
 /* The library's FP8KTURBOV_VERSION and FP8KTURBOV_ABI_VERSION, for checks at load time. */
 FP8KTURBOV_API int fp8kturbov_version(void);
 FP8KTURBOV_API int fp8kturbov_abi_version(void);

@@ -142,11 +142,11 @@ fp8kturbov_status_t read_params(const char* entry, const Params* params,
 
 // The defaults of a params struct (every default lies in the first version of the struct, so a
 // prefix of it is the defaults of that version).
-void set_defaults(fp8kturbov_write_params_t* p) { p->v_bits = 3; }
-void set_defaults(fp8kturbov_dequantize_params_t* p) { p->v_bits = 3; }
+void set_defaults(fp8kturbov_write_params_t* p) { p->v_bits = FP8KTURBOV_DEFAULT_V_BITS; }
+void set_defaults(fp8kturbov_dequantize_params_t* p) { p->v_bits = FP8KTURBOV_DEFAULT_V_BITS; }
 void set_defaults(fp8kturbov_decode_params_t* p) {
-  p->v_bits = 3;
-  p->sparse_v_threshold = 1e-3f;
+  p->v_bits = FP8KTURBOV_DEFAULT_V_BITS;
+  p->sparse_v_threshold = FP8KTURBOV_DEFAULT_SPARSE_V_THRESHOLD;
 }
 
 // *_params_init_sized: the defaults of the struct version of `size` bytes, written over exactly
