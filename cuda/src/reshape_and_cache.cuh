@@ -4,7 +4,7 @@
 #include <type_traits>
 
 #include "format.cuh"
-#include "kernel_args.h"
+#include "token_group_args.h"
 
 namespace fp8kturbov {
 

@@ -1,0 +1,250 @@
+// The decode's entry points: validate once, plan (plan/decode_plan.h) on the device's facts,
+// fill the kernel's arguments by field name, launch; and the workspace query.
+#include <cinttypes>
+#include <cmath>
+
+#include "api/entry_points.h"
+#include "api/errors.h"
+#include "api/validate.h"
+#include "decode/decode_args.h"
+#include "format.cuh"
+#include "plan/decode_plan.h"
+
+namespace fp8kturbov {
+namespace {
+
+cudaError_t dispatch_decode(uint32_t bits, uint32_t head_dim, const DecodeArgs& args,
+                            const DecodePlan& plan, cudaStream_t stream, bool* built) {
+  *built = true;
+#define FP8KTURBOV_DECODE_CASE(BITS, HEAD_DIM) \
+  if (bits == BITS && head_dim == HEAD_DIM) return launch_paged_decode<BITS, HEAD_DIM>(args, plan, stream);
+#include "dispatch_decode.inc"
+#undef FP8KTURBOV_DECODE_CASE
+  *built = false;
+  return cudaSuccess;
+}
+
+// Every scalar rule of a decode; also resolves the K page stride (0 = packed).
+fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_params_t& p,
+                                    uint64_t* k_block_stride_bytes) {
+  FP8KTURBOV_CHECK(check_row_format(entry, p.v_bits, p.head_dim, p.num_kv_heads));
+  if (!is_supported_head_dim(p.head_dim))
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                "head_dim = %u is not supported (64, 128, 256, 512)", p.head_dim);
+  if (p.num_q_heads == 0 || p.num_q_heads % p.num_kv_heads != 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_q_heads = %u is not a positive multiple of num_kv_heads = %u",
+                p.num_q_heads, p.num_kv_heads);
+  if (p.num_q_heads > 65535)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_q_heads = %u exceeds 65535",
+                p.num_q_heads);
+  if (p.max_q_len > kDecodeMaxQueryLen)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_q_len = %u exceeds %d", p.max_q_len,
+                kDecodeMaxQueryLen);
+  FP8KTURBOV_CHECK(check_v_rotation(entry, p.v_rotation, p.head_dim));
+  // One CTA per (sequence, KV head, chunk of 8 query columns) at least; a grid holds < 2^31.
+  const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
+                             decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
+  if (base_ctas > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_seqs = %u needs %" PRIu64 " CTAs (num_seqs * num_kv_heads * "
+                "ceil(max_q_len * group size / 8)), more than 2^31 - 1", p.num_seqs, base_ctas);
+  if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
+  if (p.max_blocks_per_seq == 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_blocks_per_seq = 0");
+  if (uint64_t(p.max_blocks_per_seq) * p.block_size > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "max_blocks_per_seq * block_size = %u * %u exceeds 2^31 - 1 positions",
+                p.max_blocks_per_seq, p.block_size);
+  if (p.block_tables_stride != 0 && p.block_tables_stride < p.max_blocks_per_seq)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "block_tables_stride = %" PRIu64 " is less than max_blocks_per_seq = %u", p.block_tables_stride,
+                p.max_blocks_per_seq);
+  const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
+  const uint64_t q_row_elems = uint64_t(p.num_q_heads) * p.head_dim;
+  if (p.q_stride < q_row_elems)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "q_stride = %u is smaller than num_q_heads * head_dim = %" PRIu64, p.q_stride,
+                q_row_elems);
+  FP8KTURBOV_CHECK(check_k_scale(entry, p.k_scale));
+  if (!std::isfinite(p.inv_sqrt_d))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "inv_sqrt_d = %g is not finite",
+                double(p.inv_sqrt_d));
+  if (!std::isfinite(p.inv_sqrt_d * p.k_scale))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "inv_sqrt_d * k_scale = %g * %g overflows float", double(p.inv_sqrt_d),
+                double(p.k_scale));
+  // The kernel scales scores by the product: a nonzero inv_sqrt_d must not become a zero one.
+  if (p.inv_sqrt_d != 0.0f && p.inv_sqrt_d * p.k_scale == 0.0f)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "inv_sqrt_d * k_scale = %g * %g underflows float to 0", double(p.inv_sqrt_d),
+                double(p.k_scale));
+  if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "sparse_v_threshold = %g must be finite and >= 0", double(p.sparse_v_threshold));
+  if (!std::isfinite(p.soft_cap) || p.soft_cap < 0.0f)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "soft_cap = %g must be finite and >= 0",
+                double(p.soft_cap));
+  *k_block_stride_bytes =
+      p.k_block_stride_bytes != 0 ? p.k_block_stride_bytes : k_page_bytes(p.block_size, row_elems);
+  FP8KTURBOV_CHECK(check_pool_layout(entry, p.block_size, row_elems, p.v_bits, p.k_cache,
+                                     *k_block_stride_bytes, p.v_block_stride_bytes,
+                                     p.v_data_section_bytes));
+  if (p.v_block_stride_bytes % kDecodeVAlignment != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry,
+                "v_block_stride_bytes = %" PRIu64 " is not a multiple of %u",
+                p.v_block_stride_bytes, kDecodeVAlignment);
+  if (p.v_data_section_bytes % kDecodeVAlignment != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry,
+                "v_data_section_bytes = %" PRIu64 " is not a multiple of %u",
+                p.v_data_section_bytes, kDecodeVAlignment);
+  if (reinterpret_cast<uintptr_t>(p.v_cache) % kDecodeVAlignment != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "v_cache = %p is not %u-byte aligned",
+                p.v_cache, kDecodeVAlignment);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// Division of positions (< 2^31) by a runtime divisor with a multiply and a shift: the round-up
+// reciprocal method (Granlund and Montgomery).
+struct FastDivider {
+  uint32_t multiplier;
+  uint32_t shift;
+};
+FastDivider fast_divider(uint32_t divisor) {
+  uint32_t shift = 0;
+  while ((uint64_t(1) << shift) < divisor) ++shift;
+  const uint64_t multiplier = ((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor)) / divisor + 1;
+  return {uint32_t(multiplier), shift};
+}
+
+// Multiprocessors of the current device: a cached attribute read, no synchronisation.
+cudaError_t current_multiprocessors(int* count) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
+
+cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, bool head_groups, int* count) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+#define FP8KTURBOV_DECODE_CASE(BITS, HEAD_DIM) \
+  if (bits == BITS && head_dim == HEAD_DIM) return decode_ctas_per_sm<BITS, HEAD_DIM>(device, head_groups, count);
+#include "dispatch_decode.inc"
+#undef FP8KTURBOV_DECODE_CASE
+  *count = 1;  // not built: the launch reports it
+  return cudaSuccess;
+}
+
+// The device facts a plan depends on: cached attribute and occupancy queries, no synchronisation.
+cudaError_t query_decode_device(const fp8kturbov_decode_params_t& p, DecodeDevice* device) {
+  cudaError_t err = current_multiprocessors(&device->multiprocessors);
+  if (err == cudaSuccess) err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, false, &device->ctas_per_sm);
+  if (err == cudaSuccess)
+    err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, true, &device->head_group_ctas_per_sm);
+  return err;
+}
+
+}  // namespace
+
+fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& p,
+                                cudaStream_t stream) {
+  clear_last_error();
+  uint64_t k_block_stride_bytes = 0;
+  FP8KTURBOV_CHECK(validate_decode(entry, p, &k_block_stride_bytes));
+  if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  FP8KTURBOV_REQUIRE_POINTER(q);
+  FP8KTURBOV_REQUIRE_POINTER(k_cache);
+  FP8KTURBOV_REQUIRE_POINTER(v_cache);
+  FP8KTURBOV_REQUIRE_POINTER(output);
+  FP8KTURBOV_REQUIRE_POINTER(block_tables);
+  FP8KTURBOV_REQUIRE_POINTER(seq_lens);
+  if (p.workspace_bytes > 0) {
+    FP8KTURBOV_REQUIRE_POINTER(workspace);
+    if (!is_aligned16(p.workspace))
+      return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "workspace = %p is not 16-byte aligned",
+                  p.workspace);
+  }
+  IndexCheck index_check{};
+  FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
+  if (reinterpret_cast<uintptr_t>(p.sinks) % alignof(float) != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "sinks = %p is not 4-byte aligned",
+                static_cast<const void*>(p.sinks));
+  if (p.max_q_len > 1 && p.query_start == nullptr)
+    return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry,
+                "query_start is NULL but max_q_len = %u (more than one query row per sequence)",
+                p.max_q_len);
+  if (reinterpret_cast<uintptr_t>(p.query_start) % alignof(int32_t) != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "query_start = %p is not 4-byte aligned",
+                static_cast<const void*>(p.query_start));
+  DecodeDevice device;
+  const cudaError_t query = query_decode_device(p, &device);
+  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
+  const DecodePlan plan = plan_decode(p, device, p.workspace_bytes);
+  const FastDivider divider = fast_divider(p.block_size);
+  const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
+
+  DecodeArgs args{};
+  args.q = static_cast<const uint16_t*>(p.q);
+  args.k_cache = static_cast<const uint8_t*>(p.k_cache);
+  args.v_cache = static_cast<const uint8_t*>(p.v_cache);
+  args.output = static_cast<uint16_t*>(p.output);
+  args.block_tables = p.block_tables;
+  args.seq_lens = p.seq_lens;
+  args.max_blocks_per_seq = p.max_blocks_per_seq;
+  args.block_tables_stride = p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq;
+  args.num_seqs = p.num_seqs;
+  args.num_q_heads = p.num_q_heads;
+  args.num_kv_heads = p.num_kv_heads;
+  args.block_size = p.block_size;
+  args.block_size_multiplier = divider.multiplier;
+  args.block_size_shift = divider.shift;
+  args.score_scale = p.inv_sqrt_d * p.k_scale;
+  args.q_stride = p.q_stride;
+  args.k_block_stride_bytes = k_block_stride_bytes;
+  args.v_block_stride_bytes = p.v_block_stride_bytes;
+  args.v_data_section_bytes = p.v_data_section_bytes;
+  args.sliding_window = p.sliding_window;
+  args.sparse_v_threshold = p.sparse_v_threshold;
+  args.v_code_copy_bytes = decode_v_code_copy_bytes(reinterpret_cast<uintptr_t>(p.v_cache), p.v_block_stride_bytes,
+                                                    v_data_section_bytes(1, row_elems, p.v_bits));
+  args.index_check = index_check;
+  args.sinks = p.sinks;
+  args.soft_cap = p.soft_cap;
+  args.query_start = p.query_start;
+  args.max_q_len = p.query_start != nullptr ? query_rows_per_seq(p) : 1u;
+  args.num_query_rows = p.query_start != nullptr ? p.num_query_rows : p.num_seqs;
+  args.rotated_v = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD;
+  bool built = false;
+  const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
+  if (!built)
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                "v_bits = %u with head_dim = %u was not built (CMake options FP8KTURBOV_V_BITS, "
+                "FP8KTURBOV_HEAD_DIMS)",
+                p.v_bits, p.head_dim);
+  return report_launch(err, entry);
+}
+
+fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_decode_params_t& p,
+                                          uint64_t* workspace_bytes) {
+  clear_last_error();
+  if (workspace_bytes == nullptr)
+    return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "workspace_bytes is NULL");
+  // Pointers are not part of the question: validate the scalars alone.
+  fp8kturbov_decode_params_t scalars = p;
+  scalars.k_cache = nullptr;
+  scalars.v_cache = nullptr;
+  uint64_t k_block_stride_bytes = 0;
+  FP8KTURBOV_CHECK(validate_decode(entry, scalars, &k_block_stride_bytes));
+  *workspace_bytes = 0;
+  if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  DecodeDevice device;
+  const cudaError_t query = query_decode_device(p, &device);
+  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
+  const DecodePlan plan = plan_decode(p, device, UINT64_MAX);
+  *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+}  // namespace fp8kturbov
