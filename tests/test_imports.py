@@ -1,5 +1,6 @@
-"""CPU tests of the package's import structure: no import cycle among its modules, and the modules
-that need no library import on a machine without one (the library loads on first use)."""
+"""CPU tests of the package's import structure: no import cycle among its modules, the modules
+that need no library import on a machine without one (the library loads on first use), and the
+load checks the ABI version before anything else."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import fp8kturbov
+from fp8kturbov import _lib
 
 PACKAGE = Path(fp8kturbov.__file__).resolve().parent
 
@@ -142,3 +146,18 @@ def test_the_package_imports_with_no_library_beside_it(tmp_path):
         assert line.startswith("ImportError libfp8kturbov.so is not in the fp8kturbov package"), line
         assert "FP8KTURBOV_LIBRARY" in line
     assert lines[2] == "version None"
+
+
+def test_a_library_of_another_abi_is_refused_before_its_symbols_are_bound(tmp_path, monkeypatch):
+    """A library exporting only ``fp8kturbov_abi_version`` (returning another version): the load
+    names both versions, and no missing symbol was looked up first."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "other_abi.c"
+    source.write_text("int fp8kturbov_abi_version(void) { return 99; }\n")
+    built = tmp_path / "libother_abi.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(built), str(source)], check=True)
+    monkeypatch.setenv(_lib.LIBRARY_ENV, str(built))
+    with pytest.raises(ImportError, match=f"{built} has ABI version 99, this package needs {_lib.ABI_VERSION}"):
+        _lib._load()
