@@ -63,14 +63,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch):
-    """A :class:`fake_driver.FakeDriver` in place of cuda.bindings.driver for fp8kturbov.arrays
-    and everything that goes through its driver helpers (DeviceBuffer, KVCache, checked mode)."""
+    """A :class:`fake_driver.FakeDriver` in place of cuda.bindings.driver for the library's
+    driver layer (fp8kturbov._device) and everything that goes through it (DeviceBuffer, KVCache,
+    the tensor API, checked mode)."""
     # Imported here: the other tests need neither the fake nor the library loaded by conftest.
     from fake_driver import FakeDriver
-    from fp8kturbov import arrays
+    from fp8kturbov import _device
 
     fake = FakeDriver()
-    monkeypatch.setattr(arrays, "_driver", lambda: fake)
+    monkeypatch.setattr(_device, "driver", lambda: fake)
     return fake
 
 

@@ -1,5 +1,5 @@
 """A fake ``cuda.bindings.driver`` for CPU tests of the package's driver bookkeeping
-(fp8kturbov.arrays and fp8kturbov.checked); conftest's ``driver`` fixture installs it."""
+(fp8kturbov._device and its users); conftest's ``driver`` fixture installs it."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import itertools
 import math
 import re
@@ -31,7 +32,7 @@ import fp8kturbov
 from abi_util import (EXCEPTIONS, EntryPoint, last_error, no_gpu, struct_before_an_unreadable_page,
                       old_struct_sizes, v1_struct_size)
 from conftest import gpu_unavailable_reason
-from fp8kturbov import Status, _lib
+from fp8kturbov import Status, _lib, ops
 from fp8kturbov._lib import lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -829,6 +830,19 @@ def test_python_range_error_is_raised_before_c(entry, name, value):
     shown = float(value) if isinstance(value, float) else value
     assert f"{name} = {shown!r}" in info.value.message
     assert last_error() == before  # C was not called
+
+
+def test_python_launchers_take_the_library_s_defaults():
+    """A parameter whose Python default is None keeps what ``*_params_init`` set; any other None
+    is refused like any other value out of range."""
+    for function in (ops.paged_decode_attn, ops.paged_decode_workspace_bytes, fp8kturbov.paged_decode):
+        assert inspect.signature(function).parameters["sparse_v_threshold"].default is None, function
+    initialised = _lib.DecodeParams()
+    lib.fp8kturbov_decode_params_init(ctypes.byref(initialised))
+    assert ops._decode_params(sparse_v_threshold=None).sparse_v_threshold == initialised.sparse_v_threshold
+    assert ops._decode_params(sparse_v_threshold=0.5).sparse_v_threshold == 0.5
+    with pytest.raises(fp8kturbov.InvalidValueError, match="num_blocks = None"):
+        ops._decode_params(num_blocks=None)
 
 
 def test_last_error_message_is_per_thread():

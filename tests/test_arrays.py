@@ -28,7 +28,7 @@ import pytest
 import fp8kturbov
 from conftest import gpu_unavailable_reason
 from fake_driver import FakeDriver
-from fp8kturbov import ArgumentError, CacheLayout, KVCache, arrays, ops
+from fp8kturbov import ArgumentError, CacheLayout, KVCache, _device, ops
 
 LAYOUT = CacheLayout(num_blocks=8, block_size=16, num_kv_heads=2, head_dim=64, v_bits=3)
 H, D = LAYOUT.num_kv_heads, LAYOUT.head_dim
@@ -51,7 +51,7 @@ def no_gpu() -> bool:
 
 
 only_without_gpu = pytest.mark.skipif(not no_gpu(), reason="fake pointers must never reach a GPU")
-REAL_POINTER_DEVICE = arrays._pointer_device  # before the autouse fixture below replaces it
+REAL_POINTER_DEVICE = _device.pointer_device  # before the autouse fixture below replaces it
 
 
 # ---- Fake device memory ---------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 @pytest.fixture(autouse=True)
 def fake_pointer_devices(monkeypatch):
     """CAI arrays' devices from the table instead of the CUDA driver."""
-    monkeypatch.setattr(arrays, "_pointer_device",
+    monkeypatch.setattr(_device, "pointer_device",
                         lambda name, ptr: FAKE_DEVICES.get(ptr, 0) if ptr else None)
 
 
@@ -258,13 +258,13 @@ def launches(monkeypatch) -> list[tuple[str, tuple, dict]]:
     calls: list[tuple[str, tuple, dict]] = []
     for op in ("reshape_and_cache", "paged_decode_attn", "dequantize"):
         monkeypatch.setattr(ops, op, lambda *args, _op=op, **kw: calls.append((_op, args, kw)))
-    monkeypatch.setattr(arrays, "_stream_wait", lambda *args: calls.append(("wait", args, {})))
+    monkeypatch.setattr(_device, "stream_wait", lambda *args: calls.append(("wait", args, {})))
 
     def on_device(device):
         calls.append(("device", (device,), {}))
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(arrays, "_on_device", on_device)
+    monkeypatch.setattr(_device, "on_device", on_device)
     return calls
 
 
@@ -402,7 +402,7 @@ def test_decode_passes_shapes_strides_defaults_and_returns_out(make, launches):
                       output=args["out"].ptr, block_tables=args["block_tables"].ptr,
                       seq_lens=args["seq_lens"].ptr, max_blocks_per_seq=MAX_BLOCKS, num_seqs=S,
                       num_q_heads=HQ, inv_sqrt_d=D ** -0.5, k_scale=K_SCALE, q_stride=HQ * D + 8, sliding_window=7,
-                      sparse_v_threshold=1e-3, workspace=workspace.ptr, workspace_bytes=4000,
+                      sparse_v_threshold=None, workspace=workspace.ptr, workspace_bytes=4000,
                       sinks=0, soft_cap=0.0, query_start=0, max_q_len=0, num_query_rows=0,
                       v_rotation=fp8kturbov.VRotation.NONE, block_tables_stride=MAX_BLOCKS,
                       stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
@@ -1026,16 +1026,16 @@ def test_wrapped_pools_are_not_freed(driver):
                          ids=["other device", "same device", "no context"])
 def test_on_device_makes_the_arrays_device_current(driver, current, pushed):
     driver.stack[:] = current
-    with arrays._on_device(1):
+    with _device.on_device(1):
         assert driver.stack == current + pushed
         assert driver.references[1] == len(pushed)
     assert driver.stack == current and driver.references[1] == 0
-    with arrays._on_device(None):
+    with _device.on_device(None):
         assert driver.stack == current
 
 
 def test_stream_wait_is_an_event(driver):
-    arrays._stream_wait(0x50, 0x70)
+    _device.stream_wait(0x50, 0x70)
     assert driver.log == [("create", 2), ("record", 0x70), ("wait", 0x50), ("destroy",)]
 
 
@@ -1114,7 +1114,7 @@ def test_checked_cache_needs_pages(driver):
 
 
 def test_allocate_checked_owns_pools_and_word(driver, monkeypatch):
-    monkeypatch.setattr(arrays, "_pointer_device", REAL_POINTER_DEVICE)  # the pools' device
+    monkeypatch.setattr(_device, "pointer_device", REAL_POINTER_DEVICE)  # the pools' device
     with KVCache.allocate(LAYOUT, K_SCALE, backend="cuda", device=1, checked=True) as cache:
         assert sorted(n for n, _ in driver.live.values()) == sorted(
             [4, LAYOUT.k_pool_bytes, LAYOUT.v_pool_bytes])
@@ -1123,7 +1123,7 @@ def test_allocate_checked_owns_pools_and_word(driver, monkeypatch):
 
 
 def test_checked_cache_needs_a_driver(monkeypatch):
-    monkeypatch.setattr(arrays, "_driver", lambda: None)
+    monkeypatch.setattr(_device, "driver", lambda: None)
     with pytest.raises(fp8kturbov.CudaError, match="no usable CUDA driver"):
         make_cache(checked=True)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import fp8kturbov
-from fp8kturbov import CacheIndexError, ErrorWord, IndexErrorFlags, arrays, check_errors, checked
+from fp8kturbov import CacheIndexError, ErrorWord, IndexErrorFlags, _device, check_errors, checked
 
 HEADER = Path(__file__).resolve().parents[1] / "cuda" / "include" / "fp8kturbov.h"
 
@@ -150,7 +150,7 @@ def test_close_frees_the_word(driver):
 
 
 def test_error_word_needs_a_driver(monkeypatch):
-    monkeypatch.setattr(arrays, "_driver", lambda: None)
+    monkeypatch.setattr(_device, "driver", lambda: None)
     with pytest.raises(fp8kturbov.CudaError, match="no usable CUDA driver"):
         ErrorWord()
     with pytest.raises(fp8kturbov.CudaError, match="no usable CUDA driver"):

@@ -1,5 +1,5 @@
-"""The import-time driver check: a driver older than the library's CUDA major stops the import
-with both versions named; no driver (CPU use) or a new enough one lets it load."""
+"""The load-time driver check: a driver older than the library's CUDA major stops the library's
+load (on first use) with both versions named; no driver (CPU use) or a new enough one lets it load."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8kturbov import _lib
+from fp8kturbov import _device, _lib
 
 
 @pytest.fixture
@@ -73,7 +73,8 @@ def test_the_environment_variable_skips_the_check(driver, monkeypatch):
 
 
 def _fake_cuda_bindings(monkeypatch, get_version):
-    """Install a stand-in ``cuda.bindings.driver`` whose ``cuDriverGetVersion`` is ``get_version``."""
+    """Install a stand-in ``cuda.bindings.driver`` whose ``cuDriverGetVersion`` is ``get_version``
+    as the bindings of the driver layer."""
     class CUresult:
         CUDA_SUCCESS = 0
         CUDA_ERROR_NO_DEVICE = 100
@@ -81,21 +82,15 @@ def _fake_cuda_bindings(monkeypatch, get_version):
     fake = types.ModuleType("cuda.bindings.driver")
     fake.CUresult = CUresult
     fake.cuDriverGetVersion = get_version
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.driver = fake
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings
-    monkeypatch.setitem(sys.modules, "cuda", cuda)
-    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
+    monkeypatch.setattr(_device, "cu", fake)
     return CUresult
 
 
 def test_driver_version_reads_cu_driver_get_version(monkeypatch):
     result = _fake_cuda_bindings(monkeypatch, lambda: (0, 12040))
-    assert _lib.driver_version() == 12040
+    assert _device.driver_version() == 12040
     _fake_cuda_bindings(monkeypatch, lambda: (result.CUDA_ERROR_NO_DEVICE, 0))
-    assert _lib.driver_version() is None
+    assert _device.driver_version() is None
 
 
 def test_driver_version_is_none_where_the_driver_library_cannot_load(monkeypatch):
@@ -103,7 +98,12 @@ def test_driver_version_is_none_where_the_driver_library_cannot_load(monkeypatch
         raise RuntimeError("libcuda.so.1: cannot open shared object file")
 
     _fake_cuda_bindings(monkeypatch, missing)
-    assert _lib.driver_version() is None
+    assert _device.driver_version() is None
+
+
+def test_driver_version_is_none_without_cuda_bindings(monkeypatch):
+    monkeypatch.setattr(_device, "cu", None)
+    assert _device.driver_version() is None
 
 
 def test_the_library_names_the_cuda_major_it_was_built_with(tmp_path, monkeypatch):
@@ -122,9 +122,10 @@ def test_the_loaded_library_names_a_cuda_major():
     assert found is not None and found[0] >= 12, found
 
 
-def test_importing_with_a_too_old_driver_fails_and_without_one_succeeds(tmp_path):
+def test_loading_with_a_too_old_driver_fails_and_without_one_succeeds(tmp_path):
     """End to end in a fresh interpreter: a stand-in cuda.bindings reporting a CUDA 11.8 driver,
-    older than any toolkit the library can be built with, stops ``import fp8kturbov``."""
+    older than any toolkit the library can be built with, stops the library's load (the first
+    call that needs it) and leaves ``import fp8kturbov`` working."""
     fake = tmp_path / "cuda" / "bindings"
     fake.mkdir(parents=True)
     (tmp_path / "cuda" / "__init__.py").write_text("")
@@ -141,9 +142,9 @@ def test_importing_with_a_too_old_driver_fails_and_without_one_succeeds(tmp_path
     path = os.pathsep.join([str(tmp_path), *(p for p in sys.path if p)])
     env = {k: v for k, v in os.environ.items() if k != _lib.SKIP_DRIVER_CHECK_ENV}
     env["PYTHONPATH"] = path
-    run = [sys.executable, "-c", "import fp8kturbov; print('loaded')"]
+    run = [sys.executable, "-c", "import fp8kturbov; print('imported'); fp8kturbov.version(); print('loaded')"]
     old = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
-    assert old.returncode != 0
+    assert old.returncode != 0 and old.stdout.split() == ["imported"], old.stdout
     assert "ImportError" in old.stderr and "found a CUDA 11.8 driver" in old.stderr, old.stderr
     none = subprocess.run(run, env={**env, "FAKE_NO_DRIVER": "1"}, capture_output=True, text=True,
                           timeout=120)

@@ -9,9 +9,12 @@ format is ``fp8kturbov.reference`` (needs ``ml-dtypes``). ``calibrate_k_scale``,
 size an engine's cache. Checked mode (``KVCache(checked=True)``, or ``num_blocks`` and
 ``error_flags`` on the raw launchers) makes the kernels skip and report out-of-range slots and page
 ids: ``ErrorWord``, ``check_errors`` and ``CacheIndexError`` (from ``fp8kturbov.checked``).
+
+Importing the package needs no built library: it is loaded by the first call that needs it.
 """
 
 from ._errors import (
+    ArgumentError,
     BadStructSizeError,
     CacheIndexError,
     CudaError,
@@ -23,8 +26,10 @@ from ._errors import (
     NullPointerError,
     Status,
 )
+from ._device import DeviceBuffer, stream_handle
 from ._lib import ABI_VERSION, VEncoder, VRotation, library_path, version
-from .arrays import ArgumentError, DeviceBuffer, KVCache, dequantize_kv, paged_decode, write_kv
+from .arrays import dequantize_kv, paged_decode, write_kv
+from .cache import KVCache
 from .checked import ErrorWord, check_errors
 from .layout import CacheLayout
 from .planning import (CapacityPlan, bytes_per_token, calibrate_k_scale, capacity_table,
@@ -40,10 +45,7 @@ from .ops import (
     reshape_and_cache_fp8k_turbo2v,
     reshape_and_cache_fp8k_turbo3v,
     reshape_and_cache_fp8k_turbo4v,
-    stream_handle,
 )
-
-__version__ = "0.4.0"
 
 __all__ = [
     "ABI_VERSION", "ArgumentError", "BadStructSizeError", "CacheIndexError", "CacheLayout",
@@ -57,3 +59,18 @@ __all__ = [
     "reshape_and_cache_fp8k_turbo4v", "stream_handle", "version", "write_kv",
     "CapacityPlan", "bytes_per_token", "calibrate_k_scale", "capacity_table", "tokens_that_fit",
 ]
+
+
+def __getattr__(name: str) -> str:
+    # ``__version__`` is looked up on first use (`package_version`), so that the import reads
+    # neither metadata nor the library.
+    if name != "__version__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ._lib import package_version
+
+    try:
+        found = package_version()
+    except (ImportError, OSError) as exc:  # no metadata, no header, and the library won't load
+        raise AttributeError(f"fp8kturbov.__version__ is unknown: {exc}") from exc
+    globals()["__version__"] = found
+    return found

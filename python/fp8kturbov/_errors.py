@@ -1,4 +1,4 @@
-"""Status codes of the C library and the exceptions they map to."""
+"""Status codes of the C library, the exceptions they map to, and those of checked mode."""
 
 from __future__ import annotations
 
@@ -28,6 +28,18 @@ class Fp8kturbovError(RuntimeError):
 
 class InvalidValueError(Fp8kturbovError, ValueError):
     """A scalar argument is out of its range."""
+
+
+class ArgumentError(InvalidValueError):
+    """An array argument is not what the call needs (memory kind, dtype, shape, strides, device).
+
+    ``argument`` is the parameter's name; ``found`` and ``expected`` describe the mismatch."""
+
+    def __init__(self, argument: str, found: str, expected: str) -> None:
+        super().__init__(Status.INVALID_VALUE, f"{argument}: {found}, expected {expected}")
+        self.argument = argument
+        self.found = found
+        self.expected = expected
 
 
 class NullPointerError(Fp8kturbovError, ValueError):

@@ -1,26 +1,38 @@
-"""Loads ``libfp8kturbov.so`` once, declares every C signature and checks the ABI version."""
+"""Loads ``libfp8kturbov.so`` on first use, checks its ABI version, then binds every C signature.
+
+Importing this module needs no library: `library()` (or the ``lib`` attribute) loads it once, on
+the first call that needs it; the load's errors are ImportError (no library beside the package,
+a too old driver, another ABI) or OSError (a library that does not load).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import importlib.metadata
 import mmap
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
+from ._device import driver_version
 from ._errors import Status, error_for
+from ._limits import ROTATION_HEAD_DIMS  # noqa: F401  (also importable from here, as before)
 
 #: The ABI this package was written against (``FP8KTURBOV_ABI_VERSION`` of the header).
 ABI_VERSION = 1
 LIBRARY_NAME = "libfp8kturbov.so"
 LIBRARY_ENV = "FP8KTURBOV_LIBRARY"
-#: Set to 1 to load the library whatever the driver (the import-time driver check is skipped).
+HEADER_NAME = "fp8kturbov.h"
+#: Set to 1 to load the library whatever the driver (the load's driver check is skipped).
 SKIP_DRIVER_CHECK_ENV = "FP8KTURBOV_SKIP_DRIVER_CHECK"
 #: The oldest Linux driver branch of each CUDA major (minor-version compatibility within a major).
 MIN_DRIVER_BRANCH = {12: 525, 13: 580}
+#: The distributions that install this package: a plain build, and the wheels of each CUDA major.
+DISTRIBUTION_NAMES = ("fp8kturbov", *(f"fp8kturbov-cu{major}" for major in sorted(MIN_DRIVER_BRANCH)))
 
 _u32 = ctypes.c_uint32
 _u64 = ctypes.c_uint64
@@ -68,15 +80,10 @@ class VEncoder(enum.IntEnum):
 class VRotation(enum.IntEnum):
     """Mirror of ``fp8kturbov_v_rotation_t``: the optional V rotation of FORMAT.md §6, fused into
     the write (each V head rotated before it is quantised) and the decode (outputs rotated back);
-    head_dim 128, 256 or 512. A cache written rotated must be decoded rotated."""
+    head_dim in ``ROTATION_HEAD_DIMS``. A cache written rotated must be decoded rotated."""
 
     NONE = 0
     HADAMARD = 1
-
-
-ROTATION_HEAD_DIMS = (128, 256, 512)
-"""The head dims the library accepts with ``VRotation.HADAMARD`` (those FORMAT.md §6 gives signs
-for; ``reference.ROTATION_DIMS``, which needs ml-dtypes)."""
 
 
 class DecodeParams(ctypes.Structure):
@@ -192,34 +199,32 @@ def library_path() -> Path:
     )
 
 
-def driver_version() -> int | None:
-    """The CUDA driver's version as ``cuDriverGetVersion`` gives it (12040 for 12.4), or None
-    where there is no driver (or no cuda.bindings): the library then still loads, for CPU use."""
-    try:
-        from cuda.bindings import driver
-
-        err, version = driver.cuDriverGetVersion()
-    except Exception:  # cuda.bindings raises when libcuda itself cannot be loaded
-        return None
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return None
-    return int(version)
+@functools.cache
+def providing_distribution() -> importlib.metadata.Distribution | None:
+    """The installed distribution whose files hold this very package, or None (a source tree, a
+    copied package): one of the same name elsewhere on the path (an older install beside a
+    checkout) does not count."""
+    here = Path(__file__).resolve()
+    for name in DISTRIBUTION_NAMES:
+        try:
+            distribution = importlib.metadata.distribution(name)
+            if Path(str(distribution.locate_file("fp8kturbov/_lib.py"))).resolve() == here:
+                return distribution
+        except Exception:
+            continue
+    return None
 
 
 def _distribution_major() -> tuple[int, str] | None:
     """The CUDA major from the wheel's distribution name (``fp8kturbov-cu12``/``-cu13``), where
     this package was installed by one of those and loads its own library."""
-    if os.environ.get(LIBRARY_ENV):
+    distribution = None if os.environ.get(LIBRARY_ENV) else providing_distribution()
+    if distribution is None:
         return None
-    here = Path(__file__).resolve()
-    for major in sorted(MIN_DRIVER_BRANCH):
-        name = f"fp8kturbov-cu{major}"
-        try:
-            located = importlib.metadata.distribution(name).locate_file("fp8kturbov/_lib.py")
-            if Path(str(located)).resolve() == here:
-                return major, name
-        except Exception:
-            continue
+    name = re.sub(r"[-_.]+", "-", distribution.metadata["Name"]).lower()
+    for major in MIN_DRIVER_BRANCH:
+        if name == f"fp8kturbov-cu{major}":
+            return major, name
     return None
 
 
@@ -256,7 +261,7 @@ def check_driver(path: Path) -> None:
         return
     try:
         required = required_cuda_major(path)
-    except Exception:  # never let the check itself break the import
+    except Exception:  # never let the check itself break the load
         required = None
     if required is None:
         return
@@ -275,31 +280,70 @@ def check_driver(path: Path) -> None:
 
 
 def _load() -> ctypes.CDLL:
-    check_driver(library_path())
-    lib = ctypes.CDLL(str(library_path()))
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    found = lib.fp8kturbov_abi_version()
+    path = library_path()
+    check_driver(path)
+    loaded = ctypes.CDLL(str(path))
+    # The ABI version first: a library of another ABI may lack symbols or declare them otherwise.
+    restype, argtypes = SIGNATURES["fp8kturbov_abi_version"]
+    abi_version = loaded.fp8kturbov_abi_version
+    abi_version.restype, abi_version.argtypes = restype, argtypes
+    found = abi_version()
     if found != ABI_VERSION:
-        raise ImportError(
-            f"{library_path()} has ABI version {found}, this package needs {ABI_VERSION}"
-        )
-    return lib
+        raise ImportError(f"{path} has ABI version {found}, this package needs {ABI_VERSION}")
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(loaded, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return loaded
 
 
-lib = _load()
+_loaded: ctypes.CDLL | None = None
+_load_lock = threading.Lock()
+
+
+def library() -> ctypes.CDLL:
+    """The library with every signature of `SIGNATURES` bound, loaded on the first call."""
+    global _loaded
+    if _loaded is None:
+        with _load_lock:
+            if _loaded is None:
+                _loaded = _load()
+    return _loaded
+
+
+def __getattr__(name: str) -> object:
+    if name == "lib":  # ``_lib.lib``: the loaded library
+        return library()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check(status: int) -> None:
     """Raise the exception of a failed call, with the C library's detail message."""
     if status != Status.SUCCESS:
-        message = lib.fp8kturbov_last_error_message().decode("utf-8", "replace")
+        message = library().fp8kturbov_last_error_message().decode("utf-8", "replace")
         raise error_for(status, message)
 
 
 def version() -> str:
-    """The library version as ``major.minor.patch``."""
-    v = lib.fp8kturbov_version()
+    """The library version as ``major.minor.patch`` (loads the library)."""
+    v = library().fp8kturbov_version()
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+_HEADER_VERSION = re.compile(r"^#define FP8KTURBOV_VERSION_(MAJOR|MINOR|PATCH) (\d+)$", re.M)
+
+
+def package_version() -> str:
+    """This package's version (``fp8kturbov.__version__``), the header's version macros in the
+    end: the metadata of the distribution that installed it; else the header beside the package
+    (a wheel's ``include/``, a checkout's ``cuda/include/``); else the library's `version`."""
+    distribution = providing_distribution()
+    if distribution is not None:
+        return distribution.version
+    package = Path(__file__).resolve().parent
+    for header in (package / "include" / HEADER_NAME, package.parents[1] / "cuda" / "include" / HEADER_NAME):
+        if header.is_file():
+            parts = dict(_HEADER_VERSION.findall(header.read_text()))
+            if len(parts) == 3:
+                return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
+    return version()

@@ -23,8 +23,10 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from . import arrays, ops
+from . import _device
+from ._device import DeviceBuffer, cuda_call
 from ._errors import CacheIndexError, IndexErrorFlags, MisalignedError, NullPointerError, Status
+from ._scalars import pointer
 
 __all__ = ["ErrorWord", "check_errors"]
 
@@ -36,16 +38,15 @@ def _read(driver: Any, ptr: int, stream: int) -> IndexErrorFlags:
     for the stream), in the current context."""
     host = ctypes.c_uint32()
     handle = driver.CUstream(stream)
-    arrays._cu(driver.cuMemcpyDtoHAsync(ctypes.addressof(host), ptr, WORD_BYTES, handle),
-               "cuMemcpyDtoHAsync")
-    arrays._cu(driver.cuStreamSynchronize(handle), "cuStreamSynchronize")
+    cuda_call(driver.cuMemcpyDtoHAsync, ctypes.addressof(host), ptr, WORD_BYTES, handle)
+    cuda_call(driver.cuStreamSynchronize, handle)
     return IndexErrorFlags(host.value)
 
 
 def _zero(driver: Any, ptr: int, stream: int) -> None:
     """Zero the word at ``ptr`` in stream order: work queued on ``stream`` afterwards finds 0.
     The host does not wait."""
-    arrays._cu(driver.cuMemsetD32Async(ptr, 0, 1, driver.CUstream(stream)), "cuMemsetD32Async")
+    cuda_call(driver.cuMemsetD32Async, ptr, 0, 1, driver.CUstream(stream))
 
 
 def _check(driver: Any, ptr: int, stream: int) -> None:
@@ -67,14 +68,14 @@ class ErrorWord:
     device, and only when called."""
 
     def __init__(self, device: int = 0) -> None:
-        self._buffer = arrays.DeviceBuffer(WORD_BYTES, device)
+        self._buffer = DeviceBuffer(WORD_BYTES, device)
         self.ptr = self._buffer.ptr
         self.device = self._buffer.device
-        with arrays._primary_context(self.device) as driver:
+        with _device.primary_context(self.device) as driver:
             _zero(driver, self.ptr, 0)
             # The memset ran on the legacy default stream, which non-blocking streams do not
             # follow: wait for it here rather than on every launch.
-            arrays._cu(driver.cuStreamSynchronize(driver.CUstream(0)), "cuStreamSynchronize")
+            cuda_call(driver.cuStreamSynchronize, driver.CUstream(0))
 
     @property
     def closed(self) -> bool:
@@ -88,23 +89,23 @@ class ErrorWord:
     def read(self, stream: Any = None) -> IndexErrorFlags:
         """The flags set so far, once ``stream`` has done the work queued on it (the host waits
         for that stream). The word is left as it is."""
-        ptr, handle = self._live_ptr(), arrays._stream_argument(stream)
-        with arrays._primary_context(self.device) as driver:
+        ptr, handle = self._live_ptr(), _device.stream_argument(stream)
+        with _device.primary_context(self.device) as driver:
             return _read(driver, ptr, handle)
 
     def check(self, stream: Any = None) -> None:
         """Raise :class:`~fp8kturbov.CacheIndexError` if the launches queued on ``stream`` so
         far set any flag, after zeroing the word for the next ones (stream-ordered on
         ``stream``). The host waits for ``stream``; nothing else synchronises."""
-        ptr, handle = self._live_ptr(), arrays._stream_argument(stream)
-        with arrays._primary_context(self.device) as driver:
+        ptr, handle = self._live_ptr(), _device.stream_argument(stream)
+        with _device.primary_context(self.device) as driver:
             _check(driver, ptr, handle)
 
     def reset(self, stream: Any = None) -> None:
         """Zero the word, ordered on ``stream`` (launches queued there afterwards find 0); the
         host does not wait."""
-        ptr, handle = self._live_ptr(), arrays._stream_argument(stream)
-        with arrays._primary_context(self.device) as driver:
+        ptr, handle = self._live_ptr(), _device.stream_argument(stream)
+        with _device.primary_context(self.device) as driver:
             _zero(driver, ptr, handle)
 
     def close(self) -> None:
@@ -127,9 +128,9 @@ def check_errors(error_flags: int, stream: Any = None) -> None:
     address (4-byte aligned, in the context current on this thread). Raises
     :class:`~fp8kturbov.CacheIndexError` if a flag is set, after zeroing the word in stream
     order on ``stream``; the host waits for ``stream``."""
-    ptr = ops._pointer("error_flags", error_flags)
+    ptr = pointer("error_flags", error_flags)
     if ptr == 0:
         raise NullPointerError(Status.NULL_POINTER, "error_flags is NULL")
     if ptr % WORD_BYTES:
         raise MisalignedError(Status.MISALIGNED, f"error_flags = {ptr:#x} is not 4-byte aligned")
-    _check(arrays._require_driver(), ptr, arrays._stream_argument(stream))
+    _check(_device.require_driver(), ptr, _device.stream_argument(stream))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ._errors import InvalidValueError, Status
-from ._lib import lib
+from ._lib import library
+from ._limits import DEFAULT_V_BITS
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class CacheLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    v_bits: int = 3
+    v_bits: int = DEFAULT_V_BITS
     k_block_stride_bytes: int = field(init=False)
     v_block_stride_bytes: int = field(init=False)
     v_data_section_bytes: int = field(init=False)
@@ -38,6 +39,7 @@ class CacheLayout:
                 f"block_size={self.block_size!r}, num_kv_heads={self.num_kv_heads!r}, "
                 f"head_dim={self.head_dim!r}, v_bits={self.v_bits!r}: each must be an integer "
                 f"in [1, 2^32 - 1]")
+        lib = library()
         sizes = {
             "k_block_stride_bytes": lib.fp8kturbov_k_page_bytes(*shape),
             "v_block_stride_bytes": lib.fp8kturbov_v_page_bytes(*shape, self.v_bits),

@@ -9,94 +9,46 @@ stream), an ``int`` handle, a ``cuda.bindings.driver.CUstream`` or any object im
 from __future__ import annotations
 
 import ctypes
-import math
-import operator
 from typing import Any
 
-from ._errors import InvalidValueError, Status
-from ._lib import DecodeParams, DequantizeParams, WriteParams, check, lib
+from ._device import stream_handle
+from ._lib import DecodeParams, DequantizeParams, WriteParams, check, library
+from ._limits import DEFAULT_SPARSE_V_THRESHOLD
+from ._scalars import U32_MAX, U64_MAX, float32, pointer, unsigned
 
-_U32_MAX = 2**32 - 1
-_U64_MAX = 2**64 - 1
-_F32_MAX = 3.4028234663852886e38
-
-
-def stream_handle(stream: Any) -> int:
-    """The raw ``CUstream`` value of ``stream`` (see the module docstring for accepted kinds)."""
-    if stream is None:
-        return 0
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        return _unsigned("stream", stream, _U64_MAX)
-    protocol = getattr(stream, "__cuda_stream__", None)
-    if protocol is not None:
-        _version, handle = protocol() if callable(protocol) else protocol
-        return int(handle)
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        driver = None
-    if driver is not None and isinstance(stream, driver.CUstream):
-        return int(stream)
-    raise TypeError(f"stream: expected None, int, CUstream or __cuda_stream__, got {type(stream)!r}")
+#: The parameters whose Python default is None: "keep what ``*_params_init`` set".
+_LIBRARY_DEFAULTS = frozenset({"sparse_v_threshold"})
 
 
-def _unsigned(name: str, value: Any, limit: int) -> int:
-    """``value`` as an unsigned C integer; ctypes would silently wrap anything out of range."""
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or not 0 <= number <= limit:
-        raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} is not an integer in [0, {limit}]")
-    return number
-
-
-def _float32(name: str, value: Any) -> float:
-    """``value`` as a float that fits float32 (NaN and infinities pass: the library judges them)."""
-    number = None
-    if not isinstance(value, (str, bytes, bytearray)):
-        try:
-            number = float(value)
-        except (TypeError, ValueError, OverflowError):
-            number = None
-    if number is None:
-        raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} is not a number")
-    if math.isfinite(number) and abs(number) > _F32_MAX:
-        raise InvalidValueError(Status.INVALID_VALUE, f"{name} = {value!r} overflows float32")
-    return number
-
-
-def _pointer(name: str, value: int) -> int:
-    return _unsigned(name, value, _U64_MAX)
-
-
-def _fill(params: ctypes.Structure, values: dict[str, Any]) -> dict[str, Any]:
-    """Set the struct fields from ``values``, range-checking each by its C type; returns the
-    checked values (plain ints and floats) by name."""
+def _fill(params: ctypes.Structure, fields: dict[str, Any]) -> dict[str, Any]:
+    """Set the struct fields named in ``fields``, range-checking each by its C type; a field of
+    `_LIBRARY_DEFAULTS` given as None keeps its value (the library's default). Returns the
+    checked values by name (plain ints and floats)."""
+    ctypes_by_name = dict(params._fields_)
     checked = {}
-    for name, ctype in params._fields_:
-        if name == "struct_size" or name not in values:
+    for name, value in fields.items():
+        if value is None and name in _LIBRARY_DEFAULTS:
             continue
-        value = values[name]
+        ctype = ctypes_by_name[name]
         if ctype is ctypes.c_void_p:
-            value = _pointer(name, value)
+            value = pointer(name, value)
         elif ctype is ctypes.c_uint32:
-            value = _unsigned(name, value, _U32_MAX)
+            value = unsigned(name, value, U32_MAX)
         elif ctype is ctypes.c_uint64:
-            value = _unsigned(name, value, _U64_MAX)
+            value = unsigned(name, value, U64_MAX)
         elif ctype is ctypes.c_float:
-            value = _float32(name, value)
+            value = float32(name, value)
         setattr(params, name, value)
         checked[name] = value
     return checked
 
 
-def _params(params_type: type[ctypes.Structure], init_sized, fields: dict[str, Any]) -> ctypes.Structure:
-    """A ``params_type`` struct set to its defaults by the C ``init_sized`` (``*_params_init_sized``:
-    it writes this struct's size only, whichever library version runs it), then to ``fields``
-    (each range-checked by its C type)."""
+def _params(params_type: type[ctypes.Structure], init_sized: str, **fields: Any) -> ctypes.Structure:
+    """A ``params_type`` struct set to its defaults by the C function ``init_sized``
+    (``*_params_init_sized``: it writes this struct's size only, whichever library version runs
+    it), then to ``fields`` by name (each range-checked by its C type)."""
     params = params_type()
-    check(init_sized(ctypes.byref(params), ctypes.sizeof(params_type)))
+    check(getattr(library(), init_sized)(ctypes.byref(params), ctypes.sizeof(params_type)))
     _fill(params, fields)
     return params
 
@@ -119,8 +71,16 @@ def reshape_and_cache(
     holds (0 = unchecked), ``error_flags`` the device address of a 4-byte aligned uint32 word
     (e.g. :attr:`fp8kturbov.ErrorWord.ptr`) the kernel ORs :class:`~fp8kturbov.IndexErrorFlags`
     bits into; read it with :func:`fp8kturbov.check_errors`."""
-    params = _params(WriteParams, lib.fp8kturbov_write_params_init_sized, dict(locals()))
-    check(lib.fp8kturbov_reshape_and_cache(ctypes.byref(params), stream_handle(stream)))
+    params = _params(
+        WriteParams, "fp8kturbov_write_params_init_sized",
+        key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+        num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, key_stride=key_stride, value_stride=value_stride, k_scale=k_scale,
+        v_bits=v_bits, k_block_stride_bytes=k_block_stride_bytes,
+        v_block_stride_bytes=v_block_stride_bytes, v_data_section_bytes=v_data_section_bytes,
+        num_blocks=num_blocks, error_flags=error_flags, v_encoder=v_encoder,
+        v_rotation=v_rotation)
+    check(library().fp8kturbov_reshape_and_cache(ctypes.byref(params), stream_handle(stream)))
 
 
 def dequantize(
@@ -134,12 +94,19 @@ def dequantize(
     header. ``key``/``value`` are written at ``t*key_stride`` / ``t*value_stride`` (ELEMENTS).
     ``num_blocks`` (pages per pool), ``error_flags`` (device address): checked mode, as in
     :func:`reshape_and_cache`."""
-    params = _params(DequantizeParams, lib.fp8kturbov_dequantize_params_init_sized, dict(locals()))
-    check(lib.fp8kturbov_dequantize(ctypes.byref(params), stream_handle(stream)))
+    params = _params(
+        DequantizeParams, "fp8kturbov_dequantize_params_init_sized",
+        k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, key=key, value=value,
+        num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, key_stride=key_stride, value_stride=value_stride, k_scale=k_scale,
+        v_bits=v_bits, k_block_stride_bytes=k_block_stride_bytes,
+        v_block_stride_bytes=v_block_stride_bytes, v_data_section_bytes=v_data_section_bytes,
+        num_blocks=num_blocks, error_flags=error_flags)
+    check(library().fp8kturbov_dequantize(ctypes.byref(params), stream_handle(stream)))
 
 
-def _decode_params(fields: dict[str, Any]) -> DecodeParams:
-    return _params(DecodeParams, lib.fp8kturbov_decode_params_init_sized, fields)
+def _decode_params(**fields: Any) -> DecodeParams:
+    return _params(DecodeParams, "fp8kturbov_decode_params_init_sized", **fields)
 
 
 def paged_decode_attn(
@@ -147,7 +114,7 @@ def paged_decode_attn(
     max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
     head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float, q_stride: int,
     v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
-    k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float = 1e-3,
+    k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float | None = None,
     workspace: int = 0, workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0,
     sinks: int = 0, soft_cap: float = 0.0, query_start: int = 0, max_q_len: int = 0,
     num_query_rows: int = 0, v_rotation: int = 0, block_tables_stride: int = 0, stream: Any = None,
@@ -169,88 +136,103 @@ def paged_decode_attn(
     ``num_query_rows`` the rows of ``q`` and ``output``; token ``i`` of a sequence attends the
     positions before ``seq_len − q_len + i + 1``.
 
-    ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact.
+    ``k_block_stride_bytes = 0`` means packed K pages; ``sparse_v_threshold = 0`` is exact, None
+    the library's default (``DEFAULT_SPARSE_V_THRESHOLD``).
     ``workspace`` is a device buffer of ``workspace_bytes`` bytes (see
     :func:`paged_decode_workspace_bytes`); without it the context is not split across CTAs and
     the KV heads are not read in head groups (docs/api.md).
     ``num_blocks`` (pages per pool), ``error_flags`` (device address): checked mode, as in
     :func:`reshape_and_cache`.
     """
-    fields = dict(locals())
-    del fields["stream"]
-    check(lib.fp8kturbov_paged_decode_attn(ctypes.byref(_decode_params(fields)),
-                                           stream_handle(stream)))
+    params = _decode_params(
+        q=q, k_cache=k_cache, v_cache=v_cache, output=output, block_tables=block_tables,
+        seq_lens=seq_lens, max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs,
+        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, inv_sqrt_d=inv_sqrt_d, k_scale=k_scale, q_stride=q_stride,
+        v_bits=v_bits, k_block_stride_bytes=k_block_stride_bytes,
+        v_block_stride_bytes=v_block_stride_bytes, v_data_section_bytes=v_data_section_bytes,
+        sliding_window=sliding_window, sparse_v_threshold=sparse_v_threshold,
+        workspace=workspace, workspace_bytes=workspace_bytes, num_blocks=num_blocks,
+        error_flags=error_flags, sinks=sinks, soft_cap=soft_cap, query_start=query_start,
+        max_q_len=max_q_len, num_query_rows=num_query_rows, v_rotation=v_rotation,
+        block_tables_stride=block_tables_stride)
+    check(library().fp8kturbov_paged_decode_attn(ctypes.byref(params), stream_handle(stream)))
 
 
 def paged_decode_workspace_bytes(
     *, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
     head_dim: int, block_size: int, q_stride: int, v_bits: int, v_block_stride_bytes: int,
     v_data_section_bytes: int, k_block_stride_bytes: int = 0, sliding_window: int = 0,
-    inv_sqrt_d: float = 1.0, k_scale: float = 1.0, sparse_v_threshold: float = 1e-3,
+    inv_sqrt_d: float = 1.0, k_scale: float = 1.0, sparse_v_threshold: float | None = None,
     soft_cap: float = 0.0, max_q_len: int = 0, v_rotation: int = 0,
 ) -> int:
     """Workspace BYTES for :func:`paged_decode_attn` with these scalars on the current device
-    (0 when neither a split nor head groups would help). A host query: no synchronisation."""
+    (0 when neither a split nor head groups would help). A host query: no synchronisation.
+    ``sparse_v_threshold``: None is the library's default, as for the decode."""
+    params = _decode_params(
+        max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, q_stride=q_stride,
+        v_bits=v_bits, v_block_stride_bytes=v_block_stride_bytes,
+        v_data_section_bytes=v_data_section_bytes, k_block_stride_bytes=k_block_stride_bytes,
+        sliding_window=sliding_window, inv_sqrt_d=inv_sqrt_d, k_scale=k_scale,
+        sparse_v_threshold=sparse_v_threshold, soft_cap=soft_cap, max_q_len=max_q_len,
+        v_rotation=v_rotation)
     result = ctypes.c_uint64()
-    check(lib.fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(_decode_params(dict(locals()))),
-                                                      ctypes.byref(result)))
+    check(library().fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(params),
+                                                            ctypes.byref(result)))
     return result.value
 
 
-def _call_fixed(c_function, params_type: type[ctypes.Structure], names: tuple[str, ...],
-                values: tuple[Any, ...], stream: Any) -> None:
-    """Range-check ``values`` by the C types of the matching struct fields, then call with the
-    checked values (NumPy scalars become plain numbers ctypes accepts)."""
-    checked = _fill(params_type(), dict(zip(names, values)))
-    check(c_function(*(checked[name] for name in names), stream_handle(stream)))
-
-
-_WRITE_ARG_NAMES = ("key", "value", "k_cache", "v_cache", "slot_mapping", "num_tokens",
-                    "num_kv_heads", "head_dim", "block_size", "key_stride", "value_stride",
-                    "k_scale", "k_block_stride_bytes", "v_block_stride_bytes",
-                    "v_data_section_bytes")
-_DECODE_ARG_NAMES = ("q", "k_cache", "v_cache", "output", "block_tables", "seq_lens",
-                     "max_blocks_per_seq", "num_seqs", "num_q_heads", "num_kv_heads", "head_dim",
-                     "block_size", "inv_sqrt_d", "k_scale", "q_stride", "v_block_stride_bytes",
-                     "v_data_section_bytes", "sliding_window")
+def _call_fixed(c_function: str, params_type: type[ctypes.Structure], stream: Any,
+                **arguments: Any) -> None:
+    """Call the C function ``c_function`` with ``arguments`` (named as the struct fields, in the
+    function's order), each range-checked by its field's C type (NumPy scalars become plain
+    numbers ctypes accepts), then the stream."""
+    checked = _fill(params_type(), arguments)
+    check(getattr(library(), c_function)(*checked.values(), stream_handle(stream)))
 
 
 def _fixed_bits_write(bits: int):
-    c_function = getattr(lib, f"fp8kturbov_reshape_and_cache_fp8k_turbo{bits}v")
+    c_function = f"fp8kturbov_reshape_and_cache_fp8k_turbo{bits}v"
 
     def launcher(key: int, value: int, k_cache: int, v_cache: int, slot_mapping: int,
                  num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
                  key_stride: int, value_stride: int, k_scale: float,
                  k_block_stride_bytes: int, v_block_stride_bytes: int,
                  v_data_section_bytes: int, stream: Any = None) -> None:
-        _call_fixed(c_function, WriteParams, _WRITE_ARG_NAMES,
-                    (key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads,
-                     head_dim, block_size, key_stride, value_stride, k_scale,
-                     k_block_stride_bytes, v_block_stride_bytes, v_data_section_bytes), stream)
+        _call_fixed(c_function, WriteParams, stream, key=key, value=value, k_cache=k_cache,
+                    v_cache=v_cache, slot_mapping=slot_mapping, num_tokens=num_tokens,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                    key_stride=key_stride, value_stride=value_stride, k_scale=k_scale,
+                    k_block_stride_bytes=k_block_stride_bytes,
+                    v_block_stride_bytes=v_block_stride_bytes,
+                    v_data_section_bytes=v_data_section_bytes)
 
     launcher.__name__ = launcher.__qualname__ = f"reshape_and_cache_fp8k_turbo{bits}v"
-    launcher.__doc__ = (f"``fp8kturbov_reshape_and_cache_fp8k_turbo{bits}v``: the original engine's "
-                        f"{bits}-bit write launcher, argument for argument.")
+    launcher.__doc__ = (f"``{c_function}``: the original engine's {bits}-bit write launcher, "
+                        f"argument for argument.")
     return launcher
 
 
 def _fixed_bits_decode(bits: int):
-    c_function = getattr(lib, f"fp8kturbov_paged_decode_attn_fp8k_turbo{bits}v")
+    c_function = f"fp8kturbov_paged_decode_attn_fp8k_turbo{bits}v"
 
     def launcher(q: int, k_cache: int, v_cache: int, output: int, block_tables: int,
                  seq_lens: int, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, block_size: int, inv_sqrt_d: float,
                  k_scale: float, q_stride: int, v_block_stride_bytes: int,
                  v_data_section_bytes: int, sliding_window: int, stream: Any = None) -> None:
-        _call_fixed(c_function, DecodeParams, _DECODE_ARG_NAMES,
-                    (q, k_cache, v_cache, output, block_tables, seq_lens, max_blocks_per_seq,
-                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, inv_sqrt_d,
-                     k_scale, q_stride, v_block_stride_bytes, v_data_section_bytes,
-                     sliding_window), stream)
+        _call_fixed(c_function, DecodeParams, stream, q=q, k_cache=k_cache, v_cache=v_cache,
+                    output=output, block_tables=block_tables, seq_lens=seq_lens,
+                    max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs,
+                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    block_size=block_size, inv_sqrt_d=inv_sqrt_d, k_scale=k_scale,
+                    q_stride=q_stride, v_block_stride_bytes=v_block_stride_bytes,
+                    v_data_section_bytes=v_data_section_bytes, sliding_window=sliding_window)
 
     launcher.__name__ = launcher.__qualname__ = f"paged_decode_attn_fp8k_turbo{bits}v"
-    launcher.__doc__ = (f"``fp8kturbov_paged_decode_attn_fp8k_turbo{bits}v``: the original engine's "
-                        f"{bits}-bit decode launcher (packed K pages, sparse-V threshold 1e-3).")
+    launcher.__doc__ = (f"``{c_function}``: the original engine's {bits}-bit decode launcher "
+                        f"(packed K pages, sparse-V threshold {DEFAULT_SPARSE_V_THRESHOLD:g}).")
     return launcher
 
 

@@ -14,6 +14,8 @@ import ml_dtypes
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ._limits import ROTATION_HEAD_DIMS
+
 __all__ = [
     "BOUNDS", "CODEBOOKS", "E4M3_MAX", "GROUP_ELEMS", "LEVEL_MAX",
     "k_page_bytes", "v_data_section_bytes", "v_scale_section_bytes", "v_page_bytes", "v_group_bytes",
@@ -280,8 +282,8 @@ def _encode_v_mse_groups(xg: NDArray[np.float32], bits: int) -> tuple[NDArray[np
 # ---------------------------------------------------------------------------------------------------
 # The optional rotation (FORMAT.md §6)
 # ---------------------------------------------------------------------------------------------------
-ROTATION_DIMS = (128, 256, 512)
-"""Head dims with fixed rotation signs, FORMAT.md §6."""
+ROTATION_DIMS = ROTATION_HEAD_DIMS
+"""Head dims with fixed rotation signs, FORMAT.md §6 (the signs below)."""
 _SIGN_WORDS: dict[str, tuple[int, ...]] = {
     "S1_128": (0x42F85949E46A0359, 0x49F250A9A4C63BBB),
     "S2_128": (0x3F628FDC16ACEE90, 0xBEA56562B7A5357A),
