@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from fp8kturbov import _bench_kernels, bench
-from fp8kturbov._nvml import NvmlCounters
-from fp8kturbov.__main__ import build_parser, config_from_args, main
+from fp8kturbov.tools import _bench_kernels, bench
+from fp8kturbov.tools._nvml import NvmlCounters
+from fp8kturbov.tools.cli import build_parser, config_from_args, main
 
 D128_3BIT = bench.Shape("decode", 3, 1, 32768, 128, 32, 8, 16)
 
@@ -622,14 +622,14 @@ def test_source_commit_of_an_installed_package_is_the_recorded_one(tmp_path, mon
     # An installed package holds the build's record beside its modules (outside a git checkout
     # the build writes an empty line): that, not whatever repository encloses it, is the commit.
     (tmp_path / "build_commit.txt").write_text(recorded)
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "tools" / "bench.py"))
     monkeypatch.setattr(bench, "_command_output", lambda *command: pytest.fail(f"asked {command}"))
     assert bench.source_commit() == want
 
 
 def test_source_commit_of_a_source_checkout_asks_git_beside_the_package(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))  # no record there
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "tools" / "bench.py"))  # no record there
     monkeypatch.setattr(bench, "_command_output", lambda *command: asked.append(command) or "f00dcafe")
     assert bench.source_commit() == "f00dcafe"
     assert asked == [("git", "describe", "--always", "--dirty", "--exclude=*")]

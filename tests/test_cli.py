@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from fp8kturbov import __main__ as cli
-from fp8kturbov import _device, bench, demo, info
+from fp8kturbov import _device
+from fp8kturbov.tools import bench, demo, info
+from fp8kturbov.tools import cli
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "cuda" / "include" / "fp8kturbov.h"
@@ -112,7 +113,7 @@ def test_include_dir_prefers_the_installed_header_and_errors_without_one(tmp_pat
                                                                          capsys):
     package = tmp_path / "site-packages" / "fp8kturbov"
     (package / "include").mkdir(parents=True)
-    monkeypatch.setattr(info, "__file__", str(package / "info.py"))
+    monkeypatch.setattr(info, "__file__", str(package / "tools" / "info.py"))
     assert cli.main(["--include-dir"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("python -m fp8kturbov: error: fp8kturbov.h is in none of")

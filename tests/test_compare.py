@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from fp8kturbov import bench, compare
-from fp8kturbov.__main__ import main
+from fp8kturbov.tools import bench, compare
+from fp8kturbov.tools.cli import main
 from test_bench import DEVICE, fake_rows
 from test_cli import run_module
 

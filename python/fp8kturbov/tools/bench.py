@@ -52,7 +52,7 @@ apart the row is marked "sets N %", since its median then is one set's time rath
 others' and moves between runs with the sets (memory placement, say); where a row moves between
 runs although its sets agree, the cause lies elsewhere. One such cause is the GPU's power limit
 (or its temperature) holding its clocks down, which slows an issue-bound kernel: NVML's counters
-of that time (`fp8kturbov._nvml`) are read around each row's timing and each peer's, and kept
+of that time (`fp8kturbov.tools._nvml`) are read around each row's timing and each peer's, and kept
 as ``clock_limited`` (the share of the measuring time per limit); a row where a limit held the
 clocks for more than 1 % of it is marked "power cap N %" or "thermal N %". Where NVML is not
 available the report says so and nothing is marked.
@@ -92,14 +92,15 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode_workspace_bytes,
-               reshape_and_cache, version)
+from fp8kturbov import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode_workspace_bytes,
+                        reshape_and_cache, version)
+from fp8kturbov._device import BenchError, Device, cu, driver_call, first_line
+from fp8kturbov._lib import ROTATION_HEAD_DIMS
+from fp8kturbov.arrays import MAX_Q_LEN
+
 from . import _bench_kernels
 from ._bench_kernels import READ_ALIGNMENT
 from ._nvml import NvmlCounters
-from ._device import BenchError, Device, cu, driver_call, first_line
-from ._lib import ROTATION_HEAD_DIMS
-from .arrays import MAX_Q_LEN
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -1314,7 +1315,7 @@ def source_commit() -> str | None:
     """The commit of the code that runs, with "-dirty" where it had uncommitted changes: the one
     an installed package was built from (the ``build_commit.txt`` the build puts beside it), else
     that of the source checkout the package is imported from; None where neither is known."""
-    recorded = Path(__file__).with_name("build_commit.txt")
+    recorded = Path(__file__).parents[1] / "build_commit.txt"  # in fp8kturbov/, beside tools/
     if recorded.is_file():
         return recorded.read_text().strip() or None
     return _command_output("git", "describe", "--always", "--dirty", "--exclude=*")

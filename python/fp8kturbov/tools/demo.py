@@ -17,9 +17,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import CacheLayout, VEncoder, VRotation, bench, paged_decode_workspace_bytes, planning
-from ._device import BenchError, Device, cu, driver_call, first_line
-from ._lib import ROTATION_HEAD_DIMS
+from fp8kturbov import CacheLayout, VEncoder, VRotation, paged_decode_workspace_bytes, planning
+from fp8kturbov._device import BenchError, Device, cu, driver_call, first_line
+from fp8kturbov._lib import ROTATION_HEAD_DIMS
+
+from . import bench
 
 DEFAULT_SEQ_LENS = (2048, 1500, 640, 37)
 #: Share of the random token rows scaled by OUTLIER_GAIN (in K and V, every KV head).
@@ -178,7 +180,7 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
 
 def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np.ndarray]:
     """The K and V pools `reference.write_cache` leaves, starting from the poisoned ones."""
-    from . import reference as ref
+    from fp8kturbov import reference as ref
 
     layout, n = case.layout, case.layout.row_elems
     k_pool, v_pool = case.k_pool_init.copy(), case.v_pool_init.copy()
@@ -201,7 +203,7 @@ def reference_decode(case: DemoCase, k_pool: np.ndarray, v_pool: np.ndarray,
                      sparse_v_threshold: float) -> np.ndarray:
     """`reference.paged_decode` of the pools, float64 ``[num_seqs * q_len, num_q_heads,
     head_dim]``."""
-    from . import reference as ref
+    from fp8kturbov import reference as ref
 
     scalars = case.decode_scalars(sparse_v_threshold)
     bits = scalars.pop("v_bits")
