@@ -8,8 +8,8 @@ decode a ragged batch, checked against the NumPy reference; see `fp8kturbov.tool
 reference only; see `fp8kturbov.tools.quality`). Top-level
 flags for build systems: ``--include-dir`` (the folder holding ``fp8kturbov.h``) and
 ``--library`` (the path of ``libfp8kturbov.so``). This module holds the parser and the handlers
-only. Each command is a subparser with a ``handler(args) -> exit status``; add one in
-`build_parser`.
+only. Each command is a subparser with a ``handler(args) -> exit status``; add one to
+`COMMANDS`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import sys
 from typing import Callable, Sequence
 
 from fp8kturbov import Fp8kturbovError, library_path
-from fp8kturbov._device import first_line
+from fp8kturbov._device import BenchError, Device, first_line
 
-from . import bench, compare, demo, info, model_kv, quality
+from . import compare, demo, info, model_kv, quality
+from .bench.config import (LENGTHS, MAX_Q_LEN, OPS, V_ENCODER_NAMES, V_ROTATION_NAMES, Config, parse_count,
+                           parse_counts, parse_q_len, parse_shapes)
+from .console import MiB
 
 PROG = "python -m fp8kturbov"
 
@@ -46,7 +49,7 @@ def _shapes_text(shapes: Sequence[tuple[int, int]]) -> str:
 def add_head_arguments(parser: argparse.ArgumentParser, num_q_heads: int, num_kv_heads: int,
                        block_size: int) -> None:
     """``--q-heads``, ``--kv-heads`` and ``--block-size`` (tokens per page), with these defaults."""
-    count = _typed(bench.parse_count)
+    count = _typed(parse_count)
     parser.add_argument("--q-heads", type=count, metavar="N", default=num_q_heads,
                         help=f"query heads (default: {num_q_heads})")
     parser.add_argument("--kv-heads", type=count, metavar="N", default=num_kv_heads,
@@ -57,20 +60,20 @@ def add_head_arguments(parser: argparse.ArgumentParser, num_q_heads: int, num_kv
 
 def add_q_len_argument(parser: argparse.ArgumentParser, q_len: int) -> None:
     """``--q-len`` (query tokens per sequence, 1..MAX_Q_LEN) with this default."""
-    parser.add_argument("--q-len", type=_typed(bench.parse_q_len), metavar="N", default=q_len,
+    parser.add_argument("--q-len", type=_typed(parse_q_len), metavar="N", default=q_len,
                         help=f"decode N query tokens per sequence (multi-token decode through "
-                        f"query_start), 1..{bench.MAX_Q_LEN} (default: {q_len})")
+                        f"query_start), 1..{MAX_Q_LEN} (default: {q_len})")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``bench``; the defaults are `fp8kturbov.tools.bench.Config`'s."""
-    d = bench.Config()
-    counts = _typed(bench.parse_counts)
-    count = _typed(bench.parse_count)
+    """The options of ``bench``; the defaults are `fp8kturbov.tools.Config`'s."""
+    d = Config()
+    counts = _typed(parse_counts)
+    count = _typed(parse_count)
     join = ",".join
     parser.add_argument("--op", choices=("decode", "write", "all"), default="all",
                         help="which operation to time (default: all)")
-    parser.add_argument("--shapes", type=_typed(bench.parse_shapes), default=d.shapes,
+    parser.add_argument("--shapes", type=_typed(parse_shapes), default=d.shapes,
                         metavar="BxL,...", help="decode shapes, batch x context tokens; a 'k' "
                         f"suffix means x1024 (default: {_shapes_text(d.shapes)})")
     parser.add_argument("--tokens", type=counts, default=d.tokens, metavar="N,...",
@@ -90,23 +93,23 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=d.sparse_v_threshold,
                         help=f"decode's sparse-V threshold, 0 = exact (default: {d.sparse_v_threshold:g})")
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed of the inputs")
-    parser.add_argument("--ceiling-mib", type=count, metavar="N", default=d.ceiling_bytes // bench.MiB,
+    parser.add_argument("--ceiling-mib", type=count, metavar="N", default=d.ceiling_bytes // MiB,
                         help="MiB read to measure the bandwidth ceiling (and copied beside it); keep "
                         "it well above the L2 size (60 MB on an H200), or the ceiling is the L2's "
-                        f"(default: {d.ceiling_bytes // bench.MiB})")
+                        f"(default: {d.ceiling_bytes // MiB})")
     parser.add_argument("--checked", action="store_true",
                         help="run the library's launches in checked mode (pool capacity and an "
                         "error word), to measure its cost")
-    parser.add_argument("--v-encoder", choices=bench.V_ENCODER_NAMES, default=d.v_encoder,
+    parser.add_argument("--v-encoder", choices=V_ENCODER_NAMES, default=d.v_encoder,
                         help=f"the write's V encoder (default: {d.v_encoder})")
     parser.add_argument("--soft-cap", type=float, metavar="CAP", default=d.soft_cap,
                         help="decode with logit soft-capping at CAP (default: off)")
     parser.add_argument("--sinks", action="store_true", help="decode with attention sinks")
-    parser.add_argument("--v-rotation", choices=bench.V_ROTATION_NAMES, default=d.v_rotation,
+    parser.add_argument("--v-rotation", choices=V_ROTATION_NAMES, default=d.v_rotation,
                         help="write and decode with this V rotation (hadamard: head_dim 128, 256, "
                         f"512; default: {d.v_rotation})")
     add_q_len_argument(parser, d.q_len)
-    parser.add_argument("--lengths", choices=bench.LENGTHS, default=d.lengths,
+    parser.add_argument("--lengths", choices=LENGTHS, default=d.lengths,
                         help="decode sequence lengths of a shape BxL: all L ('equal'), or sequence i "
                         "of B holding ceil(L * (i + 1) / B) tokens ('ramp': mixed lengths up to L, "
                         f"about half the tokens; the dense peers are not run) (default: {d.lengths})")
@@ -134,10 +137,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH.png", help="write a roofline plot (needs matplotlib)")
 
 
-def config_from_args(args: argparse.Namespace) -> bench.Config:
-    """The `fp8kturbov.tools.bench.Config` of parsed ``bench`` options (raises ValueError)."""
-    return bench.Config(
-        ops=bench.OPS if args.op == "all" else (args.op,), shapes=args.shapes, tokens=args.tokens,
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The `fp8kturbov.tools.Config` of parsed ``bench`` options (raises ValueError)."""
+    return Config(
+        ops=OPS if args.op == "all" else (args.op,), shapes=args.shapes, tokens=args.tokens,
         bits=args.bits, head_dims=args.head_dim, num_q_heads=args.q_heads,
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
@@ -145,7 +148,7 @@ def config_from_args(args: argparse.Namespace) -> bench.Config:
         v_rotation=args.v_rotation, q_len=args.q_len, lengths=args.lengths,
         table_positions=args.table_positions, whole_table_rows=args.whole_table_rows,
         peers=not args.no_peers, seed=args.seed,
-        ceiling_bytes=args.ceiling_mib * bench.MiB, power_window_s=args.power_window)
+        ceiling_bytes=args.ceiling_mib * MiB, power_window_s=args.power_window)
 
 
 def _error(message: str, command: str = "bench") -> None:
@@ -154,28 +157,31 @@ def _error(message: str, command: str = "bench") -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """``bench``: run `fp8kturbov.tools.bench.run_benchmarks` on GPU 0, print the report, write the
+    """``bench``: run `fp8kturbov.tools.bench.run.run_benchmarks` on GPU 0, print the report, write the
     JSON and the plot where asked."""
     try:
         config = config_from_args(args)
     except ValueError as exc:
         _error(str(exc))
         return 2
+    from .bench import report, run  # the harness needs the library: imported where it runs
+    from .bench.rows import write_json
+
     try:
-        with bench.Device(timing_gate=not args.no_timing_gate) as dev:
-            device = bench.describe_device(dev)
-            rows = bench.run_benchmarks(config, device=dev, show_progress=not args.no_progress)
-    except (bench.BenchError, Fp8kturbovError) as exc:
+        with Device(timing_gate=not args.no_timing_gate) as dev:
+            device = report.describe_device(dev)
+            rows = run.run_benchmarks(config, device=dev, show_progress=not args.no_progress)
+    except (BenchError, Fp8kturbovError) as exc:
         _error(first_line(exc))
         return 1
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
-    print(bench.format_report(rows, device, config))
+    print(report.format_report(rows, device, config))
     try:
         if args.json:
-            bench.write_json(args.json, rows, device, config)
-        why_not = bench.write_plot(args.plot, rows) if args.plot else None
+            write_json(args.json, rows, device, config)
+        why_not = report.write_plot(args.plot, rows) if args.plot else None
     except OSError as exc:
         _error(first_line(exc))
         return 1
@@ -258,7 +264,7 @@ def run_demo(args: argparse.Namespace) -> int:
         want = demo.reference_decode(case, *pools, tau)
         lines, ok = ([], True) if dev is None else demo.gpu_report(
             demo.run_kernels(dev, case, tau, args.iters), case, pools, want, args.iters)
-    except (bench.BenchError, Fp8kturbovError) as exc:
+    except (BenchError, Fp8kturbovError) as exc:
         _error(first_line(exc), "demo")
         return 1
     except KeyboardInterrupt:
@@ -279,13 +285,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``demo``."""
-    count = _typed(bench.parse_count)
+    count = _typed(parse_count)
     parser.add_argument("--bits", type=int, choices=(2, 3, 4), default=3,
                         help="V code width (default: 3)")
     parser.add_argument("--head-dim", type=count, metavar="D", default=128,
                         help="elements per head (default: 128)")
     add_head_arguments(parser, 32, 8, 16)
-    parser.add_argument("--seq-lens", type=_typed(bench.parse_counts), metavar="L,...",
+    parser.add_argument("--seq-lens", type=_typed(parse_counts), metavar="L,...",
                         help="tokens per sequence; a 'k' suffix means x1024 (default: "
                         f"{','.join(map(str, demo.DEFAULT_SEQ_LENS))}; with --kv-file: its "
                         "seq_lens or one sequence)")
@@ -296,13 +302,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         "seq_lens and q [num_seqs * q-len, q_heads, head_dim] where present")
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=1e-3,
                         help="decode's sparse-V threshold, 0 = exact (default: 1e-3)")
-    parser.add_argument("--v-encoder", choices=bench.V_ENCODER_NAMES, default="matched_norm",
+    parser.add_argument("--v-encoder", choices=V_ENCODER_NAMES, default="matched_norm",
                         help="the write's V encoder (default: matched_norm)")
     parser.add_argument("--soft-cap", type=float, metavar="CAP", default=0.0,
                         help="decode with logit soft-capping at CAP (default: off)")
     parser.add_argument("--sinks", action="store_true",
                         help="decode with attention sinks (random logits, N(0, 4), per query head)")
-    parser.add_argument("--v-rotation", choices=bench.V_ROTATION_NAMES, default="none",
+    parser.add_argument("--v-rotation", choices=V_ROTATION_NAMES, default="none",
                         help="write and decode with this V rotation (hadamard: head_dim 128, 256, "
                         "512; default: none)")
     add_q_len_argument(parser, 1)
@@ -316,7 +322,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``quality``; the defaults are `fp8kturbov.tools.quality.Config`'s."""
     d = quality.Config()
-    count = _typed(bench.parse_count)
+    count = _typed(parse_count)
     parser.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default: {d.seed})")
     parser.add_argument("--tokens", type=count, metavar="N", default=d.tokens,
                         help=f"cached positions (default: {d.tokens})")
@@ -326,7 +332,7 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"KV heads (default: {d.num_kv_heads})")
     parser.add_argument("--head-dim", type=count, metavar="D", default=d.head_dim,
                         help=f"elements per head; the rotation needs 128, 256 or 512 (default: {d.head_dim})")
-    parser.add_argument("--bits", type=_typed(bench.parse_counts), metavar="B,...", default=d.bits,
+    parser.add_argument("--bits", type=_typed(parse_counts), metavar="B,...", default=d.bits,
                         help=f"V code widths (default: {','.join(map(str, d.bits))})")
     parser.add_argument("--model", action="store_true",
                         help="also the K/V/queries of a real model, SmolLM2-135M run in NumPy (about a "
@@ -363,6 +369,45 @@ def run_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The commands: name, one-line help, description, the function adding its options (None: none)
+#: and its handler, in the order ``--help`` lists them.
+COMMANDS: tuple[tuple[str, str, str, Callable[[argparse.ArgumentParser], None] | None,
+                      Callable[[argparse.Namespace], int]], ...] = (
+    ("bench", "time decode and write against the memory roofline",
+     "Time the paged decode and the cache write with CUDA-graph replays, against "
+     "the device's read bandwidth and launch floor (an empty kernel) measured in the same run, "
+     "with a BF16 (torch SDPA) and an FP8 (flashinfer) decode peer where importable.",
+     add_bench_arguments, run_bench),
+    ("compare", "compare two 'bench --json' files row by row",
+     "Match the rows of two files written by 'bench --json' (e.g. a build of main "
+     "and of a branch, run on the same GPU) by op, V bits, shape, head dim and query tokens; "
+     "print each decode and write row's median time in both and its change, the rows of one "
+     "file only, the ceiling and launch floor apart (the machine's, never slowdowns), "
+     "the worst slowdown and the geometric-mean ratio; with --round, over several rounds by "
+     "the medians. Warns where the GPUs or the run options differ. Exit status 1 where a row is "
+     "slower than --max-slowdown allows, 2 where a file is not a bench JSON, else 0.",
+     add_compare_arguments, run_compare),
+    ("info", "library, CUDA architectures, driver and GPUs",
+     "Print the library's version, ABI, path and header, the CUDA architectures "
+     "it holds code for (read from its fatbin headers), the driver's version and each GPU, "
+     "or one 'no GPU: <reason>' line.",
+     None, run_info),
+    ("demo", "write and decode a ragged batch, checked against the NumPy reference",
+     "Write a ragged batch of K/V into the cache and decode it with the library, "
+     "compare the pools byte for byte and the output with the float64 NumPy reference, "
+     "show the format's quantisation error against unquantised attention and time the "
+     "kernels. Without a GPU only the reference runs.",
+     add_demo_arguments, run_demo),
+    ("quality", "V quantisation error per width/encoder/rotation on synthetic and real K/V",
+     "With the NumPy reference only (no GPU): for each V width, encoder "
+     "(matched_norm, mse) and rotation, on synthetic Gaussian, Student-t(4) and outlier-heavy V "
+     "(and, with --model, on the K/V of a real model), print the V normalised MSE and the "
+     "attention-output relative error against unquantised float64 attention, with FP8 K+V and "
+     "NVFP4-style V peers.",
+     add_quality_arguments, run_quality),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; each subparser sets ``handler``."""
     parser = argparse.ArgumentParser(prog=PROG, description="fp8kturbov tools.")
@@ -371,47 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--library", action="store_true",
                         help="print the path of libfp8kturbov.so and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    bench_parser = commands.add_parser(
-        "bench", help="time decode and write against the memory roofline",
-        description="Time the paged decode and the cache write with CUDA-graph replays, against "
-        "the device's read bandwidth and launch floor (an empty kernel) measured in the same run, "
-        "with a BF16 (torch SDPA) and an FP8 (flashinfer) decode peer where importable.")
-    add_bench_arguments(bench_parser)
-    bench_parser.set_defaults(handler=run_bench)
-    compare_parser = commands.add_parser(
-        "compare", help="compare two 'bench --json' files row by row",
-        description="Match the rows of two files written by 'bench --json' (e.g. a build of main "
-        "and of a branch, run on the same GPU) by op, V bits, shape, head dim and query tokens; "
-        "print each decode and write row's median time in both and its change, the rows of one "
-        "file only, the ceiling and launch floor apart (the machine's, never slowdowns), "
-        "the worst slowdown and the geometric-mean ratio; with --round, over several rounds by "
-        "the medians. Warns where the GPUs or the run options differ. Exit status 1 where a row is slower than --max-slowdown allows, 2 "
-        "where a file is not a bench JSON, else 0.")
-    add_compare_arguments(compare_parser)
-    compare_parser.set_defaults(handler=run_compare)
-    info_parser = commands.add_parser(
-        "info", help="library, CUDA architectures, driver and GPUs",
-        description="Print the library's version, ABI, path and header, the CUDA architectures "
-        "it holds code for (read from its fatbin headers), the driver's version and each GPU, "
-        "or one 'no GPU: <reason>' line.")
-    info_parser.set_defaults(handler=run_info)
-    demo_parser = commands.add_parser(
-        "demo", help="write and decode a ragged batch, checked against the NumPy reference",
-        description="Write a ragged batch of K/V into the cache and decode it with the library, "
-        "compare the pools byte for byte and the output with the float64 NumPy reference, "
-        "show the format's quantisation error against unquantised attention and time the "
-        "kernels. Without a GPU only the reference runs.")
-    add_demo_arguments(demo_parser)
-    demo_parser.set_defaults(handler=run_demo)
-    quality_parser = commands.add_parser(
-        "quality", help="V quantisation error per width/encoder/rotation on synthetic and real K/V",
-        description="With the NumPy reference only (no GPU): for each V width, encoder "
-        "(matched_norm, mse) and rotation, on synthetic Gaussian, Student-t(4) and outlier-heavy V "
-        "(and, with --model, on the K/V of a real model), print the V normalised MSE and the "
-        "attention-output relative error against unquantised float64 attention, with FP8 K+V and "
-        "NVFP4-style V peers.")
-    add_quality_arguments(quality_parser)
-    quality_parser.set_defaults(handler=run_quality)
+    for name, summary, description, add_arguments, handler in COMMANDS:
+        command = commands.add_parser(name, help=summary, description=description)
+        if add_arguments is not None:
+            add_arguments(command)
+        command.set_defaults(handler=handler)
     return parser
 
 

@@ -17,9 +17,8 @@ from typing import Sequence
 
 from fp8kturbov import __version__, _device, library_path, version
 from fp8kturbov._device import BenchError, first_line
-from fp8kturbov._lib import lib
 
-from .bench import GiB
+from .console import GiB
 
 HEADER_NAME = "fp8kturbov.h"
 
@@ -195,6 +194,8 @@ def gpu_lines(archs: Sequence[str]) -> list[str]:
 def summary() -> list[str]:
     """The lines of ``info``: the library's version, ABI and path, the header's path, the CUDA
     architectures the library holds code for, then `gpu_lines`."""
+    from fp8kturbov._lib import lib  # the loaded library: only this report needs it
+
     path = library_path().resolve()
     try:
         header = str(include_dir() / HEADER_NAME)
