@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -15,11 +16,21 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from fp8kturbov import _bench_kernels, bench
-from fp8kturbov._nvml import NvmlCounters
-from fp8kturbov.__main__ import build_parser, config_from_args, main
+import fp8kturbov.tools.bench.config
+import fp8kturbov.tools.bench.launches
+import fp8kturbov.tools.bench.peers
+import fp8kturbov.tools.bench.power
+import fp8kturbov.tools.bench.report
+import fp8kturbov.tools.bench.rows
+import fp8kturbov.tools.bench.run
+import fp8kturbov.tools.bench.timing
+from fp8kturbov._device import BenchError, Device
+from fp8kturbov.tools import bench, cli, console
+from fp8kturbov.tools.bench import kernels
+from fp8kturbov.tools.bench.nvml import NvmlCounters
+from fp8kturbov.tools.cli import build_parser, config_from_args, main
 
-D128_3BIT = bench.Shape("decode", 3, 1, 32768, 128, 32, 8, 16)
+D128_3BIT = bench.config.Shape("decode", 3, 1, 32768, 128, 32, 8, 16)
 
 
 # ---- Parsing and configuration ---------------------------------------------------------------------
@@ -27,18 +38,18 @@ D128_3BIT = bench.Shape("decode", 3, 1, 32768, 128, 32, 8, 16)
 
 @pytest.mark.parametrize("text, want", [("32768", 32768), ("32k", 32768), (" 8K ", 8192), ("1", 1)])
 def test_parse_count(text, want):
-    assert bench.parse_count(text) == want
+    assert bench.config.parse_count(text) == want
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "x", "1.5", "", "k", "2m"])
 def test_parse_count_rejects(text):
     with pytest.raises(ValueError, match="not a positive integer"):
-        bench.parse_count(text)
+        bench.config.parse_count(text)
 
 
 @pytest.mark.parametrize("text, want", [("1", 1), ("4", 4), ("16", 16)])
 def test_parse_q_len(text, want):
-    assert bench.parse_q_len(text) == want
+    assert bench.config.parse_q_len(text) == want
 
 
 @pytest.mark.parametrize("text, message", [("0", "not a positive integer"),
@@ -46,26 +57,26 @@ def test_parse_q_len(text, want):
                                            ("1k", "more than 16 query tokens")])
 def test_parse_q_len_rejects(text, message):
     with pytest.raises(ValueError, match=message):
-        bench.parse_q_len(text)
+        bench.config.parse_q_len(text)
 
 
 def test_parse_shapes_and_counts():
-    assert bench.parse_shapes("1x32768,8x8k") == ((1, 32768), (8, 8192))
-    assert bench.parse_shapes("128X2048") == ((128, 2048),)
-    assert bench.parse_counts("128,256") == (128, 256)
+    assert bench.config.parse_shapes("1x32768,8x8k") == ((1, 32768), (8, 8192))
+    assert bench.config.parse_shapes("128X2048") == ((128, 2048),)
+    assert bench.config.parse_counts("128,256") == (128, 256)
     for bad in ("1", "1x2x3", "8x", "x8", "1x32768,"):
         with pytest.raises(ValueError):
-            bench.parse_shapes(bad)
+            bench.config.parse_shapes(bad)
 
 
 def test_default_config_is_the_issue_table():
-    config = bench.Config()
+    config = bench.config.Config()
     assert set(config.shapes) == {(1, 32768), (1, 131072), (8, 8192), (32, 8192), (128, 2048),
                                   (32, 32768), (1, 1024), (8, 4096)}
     assert config.tokens == (1, 16, 128, 32768)
     assert (config.num_q_heads, config.num_kv_heads, config.block_size) == (32, 8, 16)
     assert config.bits == (2, 3, 4) and config.head_dims == (128,)
-    assert config.ceiling_bytes >= 2 * bench.GiB and config.sparse_v_threshold == 1e-3
+    assert config.ceiling_bytes >= 2 * console.GiB and config.sparse_v_threshold == 1e-3
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -93,33 +104,33 @@ def test_default_config_is_the_issue_table():
      "table_positions = 4096 is shorter than the context of decode shape 8x8192"),
     ({"whole_table_rows": True}, "whole_table_rows needs table_positions"),
     ({"ceiling_bytes": 0}, "ceiling_bytes = 0 must be >= 1"),
-    ({"ceiling_bytes": bench.MiB + 8}, "ceiling_bytes = 1048584 is not a multiple of 16"),
+    ({"ceiling_bytes": console.MiB + 8}, "ceiling_bytes = 1048584 is not a multiple of 16"),
 ])
 def test_config_rejects(changes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        bench.Config(**changes)
+        bench.config.Config(**changes)
 
 
 def test_cases_run_decode_then_write_with_bits_adjacent():
-    cases = bench.build_cases(bench.Config())
+    cases = bench.config.build_cases(bench.config.Config())
     assert len(cases) == 8 * 3 + 4 * 3
     assert [c.op for c in cases] == ["decode"] * 24 + ["write"] * 12
     assert [c.bits for c in cases[:6]] == [2, 3, 4, 2, 3, 4]
     assert cases[0].label == "1x32768" and cases[-1].label == "32768 tok"
-    assert bench.build_cases(bench.Config(ops=("write",), head_dims=(128, 256)))[-1].head_dim == 256
+    assert bench.config.build_cases(bench.config.Config(ops=("write",), head_dims=(128, 256)))[-1].head_dim == 256
 
 
 def test_cases_take_q_len_for_the_decode_only():
-    cases = bench.build_cases(bench.Config(shapes=((8, 8192),), tokens=(16,), bits=(3,), q_len=4))
+    cases = bench.config.build_cases(bench.config.Config(shapes=((8, 8192),), tokens=(16,), bits=(3,), q_len=4))
     assert [(c.op, c.q_len) for c in cases] == [("decode", 4), ("write", 1)]
     # A write-only run does not look at the decode shapes' lengths.
-    assert bench.Config(ops=("write",), shapes=((1, 2),), q_len=4).q_len == 4
+    assert bench.config.Config(ops=("write",), shapes=((1, 2),), q_len=4).q_len == 4
 
 
 def test_cases_take_the_lengths_and_table_rows_for_the_decode_only():
-    config = bench.Config(shapes=((8, 8192),), tokens=(16,), bits=(3,), lengths="ramp",
+    config = bench.config.Config(shapes=((8, 8192),), tokens=(16,), bits=(3,), lengths="ramp",
                           table_positions=131072, whole_table_rows=True)
-    decode, write = bench.build_cases(config)
+    decode, write = bench.config.build_cases(config)
     assert (decode.lengths, decode.table_positions, decode.whole_table_rows) == ("ramp", 131072, True)
     assert (write.lengths, write.table_positions, write.whole_table_rows) == ("equal", 0, False)
 
@@ -130,12 +141,12 @@ def test_cases_take_the_lengths_and_table_rows_for_the_decode_only():
     (3, 9, "equal", [9, 9, 9]),
 ])
 def test_sequence_lengths(batch, context, lengths, want):
-    got = bench.sequence_lengths(batch, context, lengths)
+    got = bench.config.sequence_lengths(batch, context, lengths)
     assert got.dtype == np.int32 and got.tolist() == want
 
 
 def test_ramp_of_a_large_shape_ends_at_its_context_with_about_half_the_tokens():
-    shape = bench.Shape("decode", 3, 32, 32768, 128, 32, 8, 16, lengths="ramp")
+    shape = bench.config.Shape("decode", 3, 32, 32768, 128, 32, 8, 16, lengths="ramp")
     assert shape.seq_lens[0] == 1024 and shape.seq_lens[-1] == 32768
     assert shape.attended_tokens == 1024 * (32 * 33 // 2)  # each length a multiple of 1024
 
@@ -146,93 +157,93 @@ def test_ramp_of_a_large_shape_ends_at_its_context_with_about_half_the_tokens():
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_cache_bytes_per_token_match_the_library_layout(bits, head_dim):
-    shape = bench.Shape("decode", bits, 1, 16, head_dim, 8, 8, 16)
+    shape = bench.config.Shape("decode", bits, 1, 16, head_dim, 8, 8, 16)
     layout = fp8kturbov.CacheLayout(4, 16, 8, head_dim, bits)
-    assert bench.cache_bytes_per_token(shape) == layout.bytes_per_token
+    assert bench.config.cache_bytes_per_token(shape) == layout.bytes_per_token
 
 
 def test_decode_bytes():
     # 32768 tokens x 8 heads x (128 K + 48 V codes + 8 V scales), q and out in bf16, 2048 page
     # entries and one seq_len.
-    assert bench.launch_bytes(D128_3BIT) == 32768 * 8 * 184 + 2 * 32 * 128 * 2 + (2048 + 1) * 4
+    assert bench.config.launch_bytes(D128_3BIT) == 32768 * 8 * 184 + 2 * 32 * 128 * 2 + (2048 + 1) * 4
 
 
 def test_multi_token_decode_reads_the_cache_once():
     """q_len query tokens per sequence: q and the output grow by q_len rows per sequence and
     query_start (int32 [batch + 1]) is read; the cache bytes stay those of one step."""
-    shape = bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, q_len=4)
-    one_token = bench.dataclasses.replace(shape, q_len=1)
+    shape = bench.config.Shape("decode", 3, 2, 300, 128, 32, 8, 16, q_len=4)
+    one_token = dataclasses.replace(shape, q_len=1)
     assert (shape.query_rows, shape.q_elems) == (8, 8 * 32 * 128)
     extra_q_and_out = 2 * (8 - 2) * 32 * 128 * 2
-    assert bench.launch_bytes(shape) == bench.launch_bytes(one_token) + extra_q_and_out + 3 * 4
-    assert bench.device_bytes(shape, 3) == bench.device_bytes(one_token, 3) + 3 * (extra_q_and_out + 3 * 4)
+    assert bench.config.launch_bytes(shape) == bench.config.launch_bytes(one_token) + extra_q_and_out + 3 * 4
+    assert bench.config.device_bytes(shape, 3) == bench.config.device_bytes(one_token, 3) + 3 * (extra_q_and_out + 3 * 4)
     assert np.array_equal(shape.query_start, [0, 4, 8]) and shape.query_start.dtype == np.int32
     assert one_token.query_start is None and one_token.query_start_bytes == 0
 
 
 def test_mixed_lengths_count_the_tokens_and_pages_they_attend():
     # Lengths 10, 20, 30, 40 on pages of 16: 1 + 2 + 2 + 3 pages in use, 100 tokens.
-    shape = bench.Shape("decode", 3, 4, 40, 128, 32, 8, 16, lengths="ramp")
+    shape = bench.config.Shape("decode", 3, 4, 40, 128, 32, 8, 16, lengths="ramp")
     assert shape.seq_lens.tolist() == [10, 20, 30, 40] and shape.seq_blocks.tolist() == [1, 2, 2, 3]
     assert (shape.attended_tokens, shape.used_blocks, shape.blocks_per_seq) == (100, 8, 3)
     q_and_out = 2 * 4 * 32 * 128 * 2
-    assert bench.launch_bytes(shape) == 100 * 8 * 184 + q_and_out + (8 + 4) * 4
-    assert bench.peer_bytes(shape, 1) == 2 * 100 * 8 * 128 + q_and_out
+    assert bench.config.launch_bytes(shape) == 100 * 8 * 184 + q_and_out + (8 + 4) * 4
+    assert bench.config.peer_bytes(shape, 1) == 2 * 100 * 8 * 128 + q_and_out
     # The pools still hold every sequence's pages for the longest one.
-    equal = bench.dataclasses.replace(shape, lengths="equal")
+    equal = dataclasses.replace(shape, lengths="equal")
     assert shape.num_blocks == equal.num_blocks == 12
-    assert bench.device_bytes(shape, 2) == bench.device_bytes(equal, 2)
+    assert bench.config.device_bytes(shape, 2) == bench.config.device_bytes(equal, 2)
 
 
 def test_write_bytes():
-    shape = bench.Shape("write", 3, 128, 0, 128, 32, 8, 16)
+    shape = bench.config.Shape("write", 3, 128, 0, 128, 32, 8, 16)
     read = 128 * 1024 * (2 + 2)  # bf16 K and V rows
     written = 128 * (1024 + 1024 * 3 // 8 + 1024 // 16)
-    assert bench.launch_bytes(shape) == read + written + 128 * 8
+    assert bench.config.launch_bytes(shape) == read + written + 128 * 8
 
 
 def test_peer_bytes():
-    assert bench.peer_bytes(D128_3BIT, 2) == 2 * 32768 * 8 * 128 * 2 + 2 * 32 * 128 * 2
-    assert bench.peer_bytes(D128_3BIT, 1) == 2 * 32768 * 8 * 128 + 2 * 32 * 128 * 2
+    assert bench.config.peer_bytes(D128_3BIT, 2) == 2 * 32768 * 8 * 128 * 2 + 2 * 32 * 128 * 2
+    assert bench.config.peer_bytes(D128_3BIT, 1) == 2 * 32768 * 8 * 128 + 2 * 32 * 128 * 2
 
 
 def test_device_bytes_cover_the_pools_of_every_set():
-    shape = bench.Shape("decode", 4, 2, 300, 128, 32, 8, 16)  # a partial last page
+    shape = bench.config.Shape("decode", 4, 2, 300, 128, 32, 8, 16)  # a partial last page
     assert shape.blocks_per_seq == 19 and shape.num_blocks == 38
     layout = fp8kturbov.CacheLayout(38, 16, 8, 128, 4)
     inputs = 2 * 2 * 32 * 128 * 2 + (38 + 2) * 4
-    assert bench.device_bytes(shape, 3) == 3 * (layout.k_pool_bytes + layout.v_pool_bytes + inputs)
-    write = bench.Shape("write", 2, 17, 0, 128, 32, 8, 16)
+    assert bench.config.device_bytes(shape, 3) == 3 * (layout.k_pool_bytes + layout.v_pool_bytes + inputs)
+    write = bench.config.Shape("write", 2, 17, 0, 128, 32, 8, 16)
     assert write.num_blocks == 2
 
 
 def test_bandwidth_floor_and_fits():
-    assert bench.gbps(4.3e9, 1000.0) == pytest.approx(4300.0)
-    assert bench.floor_us(4.3e9, 4300.0) == pytest.approx(1000.0)
-    assert bench.floor_us(bench.launch_bytes(D128_3BIT), 4000.0) == pytest.approx(
-        bench.launch_bytes(D128_3BIT) / 4e12 * 1e6)
-    assert bench.fits_in_l2(20 << 20, 3, 60 << 20) and not bench.fits_in_l2(21 << 20, 3, 60 << 20)
-    assert bench.fits_in_memory(90, 100) and not bench.fits_in_memory(91, 100)
+    assert bench.config.gbps(4.3e9, 1000.0) == pytest.approx(4300.0)
+    assert bench.config.floor_us(4.3e9, 4300.0) == pytest.approx(1000.0)
+    assert bench.config.floor_us(bench.config.launch_bytes(D128_3BIT), 4000.0) == pytest.approx(
+        bench.config.launch_bytes(D128_3BIT) / 4e12 * 1e6)
+    assert bench.config.fits_in_l2(20 << 20, 3, 60 << 20) and not bench.config.fits_in_l2(21 << 20, 3, 60 << 20)
+    assert bench.config.fits_in_memory(90, 100) and not bench.config.fits_in_memory(91, 100)
 
 
 def test_result_records_a_timing():
-    result = bench.Result.for_shape(D128_3BIT)
-    result.record(bench.Timing.of([30.0, 10.0, 20.0, 40.0]), ceiling_gbps=4000.0)
+    result = bench.rows.Result.for_shape(D128_3BIT)
+    result.record(bench.timing.Timing.of([30.0, 10.0, 20.0, 40.0]), ceiling_gbps=4000.0)
     assert (result.median_us, result.min_us, result.samples) == (25.0, 10.0, 4)
     assert result.gbps == pytest.approx(result.bytes / 25e-6 / 1e9)
     assert result.pct_of_ceiling == pytest.approx(100 * result.gbps / 4000.0)
     assert result.floor_us == pytest.approx(result.bytes / 4e12 * 1e6)
     assert (result.op, result.shape, result.context, result.q_len) == ("decode", "1x32768", 32768, 1)
-    write = bench.Result.for_shape(bench.Shape("write", 3, 16, 0, 128, 32, 8, 16))
+    write = bench.rows.Result.for_shape(bench.config.Shape("write", 3, 16, 0, 128, 32, 8, 16))
     assert write.context is None and write.q_len is None
-    assert bench.Result.for_shape(bench.Shape("decode", 3, 1, 64, 128, 32, 8, 16, 4)).q_len == 4
+    assert bench.rows.Result.for_shape(bench.config.Shape("decode", 3, 1, 64, 128, 32, 8, 16, 4)).q_len == 4
 
 
 # ---- Timing loop and pool filling, with stand-ins for the device ------------------------------------
 
 
 class FakeDevice:
-    """The part of `bench.Device` that `time_launches` and `replicate` use, on a fake clock and
+    """The part of `Device` that `time_launches` and `replicate` use, on a fake clock and
     a host byte array."""
 
     def __init__(self, nbytes: int = 0) -> None:
@@ -274,27 +285,27 @@ def test_time_launches_rotates_sets_and_gates_chunks():
         dev.clock += duration
 
     launches = [lambda: launch(0, 1.0), lambda: launch(1, 3.0)]
-    timing = bench.time_launches(dev, launches, iters=70, warmup=3)
+    timing = bench.timing.time_launches(dev, launches, iters=70, warmup=3)
     assert order == [0, 1, 0] + [i % 2 for i in range(70)]
     assert (timing.median_us, timing.min_us, timing.samples) == (2.0, 1.0, 70)
     # The median falls between the two sets; each set's own median is kept.
     assert timing.set_medians_us == (1.0, 3.0) and timing.set_spread() == 2.0
-    assert dev.log.count("hold") == dev.log.count("open") == -(-70 // bench.GATE_CHUNK)
+    assert dev.log.count("hold") == dev.log.count("open") == -(-70 // bench.timing.GATE_CHUNK)
 
 
 def test_timing_keeps_each_sets_median():
     # Samples of three sets rotating, set 1 slower than the others by 10 %.
     samples = [[100.0, 110.0, 100.5][i % 3] + 0.1 * (i % 5) for i in range(31)]
-    timing = bench.Timing.of(samples, sets=3)
+    timing = bench.timing.Timing.of(samples, sets=3)
     assert timing.set_medians_us == tuple(statistics.median(samples[k::3]) for k in range(3))
     assert timing.set_spread() == pytest.approx(max(timing.set_medians_us) / min(timing.set_medians_us) - 1)
     assert 0.09 < timing.set_spread() < 0.11
     per_launch = timing.per_launch(4)
     assert per_launch.set_medians_us == tuple(t / 4 for t in timing.set_medians_us)
     assert per_launch.set_spread() == pytest.approx(timing.set_spread())
-    assert bench.Timing.of([5.0, 7.0]).set_medians_us == (6.0,)  # one set: the median itself
-    assert bench.Timing.of([5.0], sets=3).set_medians_us == (5.0,)  # fewer samples than sets
-    assert bench.Timing(1.0, 1.0, 1).set_spread() == 0.0
+    assert bench.timing.Timing.of([5.0, 7.0]).set_medians_us == (6.0,)  # one set: the median itself
+    assert bench.timing.Timing.of([5.0], sets=3).set_medians_us == (5.0,)  # fewer samples than sets
+    assert bench.timing.Timing(1.0, 1.0, 1).set_spread() == 0.0
 
 
 @pytest.mark.parametrize("set_times, l2, note", [
@@ -305,16 +316,16 @@ def test_timing_keeps_each_sets_median():
 ])
 def test_rows_whose_sets_differ_are_marked(monkeypatch, set_times, l2, note):
     samples = [set_times[i % 3] for i in range(30)]
-    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
-    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
-    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of(samples, 3))
-    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
-    config = bench.Config(ops=("decode",), shapes=((1, 64),) if l2 else ((32, 32768),), bits=(3,), peers=False)
-    (shape,) = bench.build_cases(config)
-    result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+    monkeypatch.setattr(bench.launches, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench.launches, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench.timing, "time_graphs", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of(samples, 3))
+    monkeypatch.setattr(bench.timing, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([7.0]))
+    config = bench.config.Config(ops=("decode",), shapes=((1, 64),) if l2 else ((32, 32768),), bits=(3,), peers=False)
+    (shape,) = bench.config.build_cases(config)
+    result = bench.run._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
     assert result.note == note
     assert result.set_medians_us == list(set_times)
-    assert bench.table_rows([bench.dataclasses.asdict(result)])[0][-1] == note
+    assert bench.report.table_rows([dataclasses.asdict(result)])[0][-1] == note
 
 
 class FakeNvmlCounters:
@@ -337,21 +348,21 @@ class SilentNvmlCounters:
 
 def test_clock_limits_held_gives_each_limits_share_of_the_block():
     clock = iter([1_000_000, 3_000_000]).__next__  # the block takes 2 ms
-    with bench.clock_limits_held(FakeNvmlCounters({"power cap": 500_000, "thermal": 0}), clock) as held:
+    with bench.power.clock_limits_held(FakeNvmlCounters({"power cap": 500_000, "thermal": 0}), clock) as held:
         assert held == {}  # filled once the block has run
     assert held == {"power cap": 0.25, "thermal": 0.0}
     clock = iter([0, 1000]).__next__  # a counter running ahead of the host clock counts as all of it
-    with bench.clock_limits_held(FakeNvmlCounters({"power cap": 5000, "thermal": 0}), clock) as held:
+    with bench.power.clock_limits_held(FakeNvmlCounters({"power cap": 5000, "thermal": 0}), clock) as held:
         pass
     assert held == {"power cap": 1.0, "thermal": 0.0}
     for counters in (None, SilentNvmlCounters()):
-        with bench.clock_limits_held(counters) as held:
+        with bench.power.clock_limits_held(counters) as held:
             pass
         assert held == {}
 
 
 class FakePowerDevice:
-    """The part of `bench.Device` that `mean_power_w` uses: each replay takes one poll to finish."""
+    """The part of `Device` that `mean_power_w` uses: each replay takes one poll to finish."""
 
     def __init__(self) -> None:
         self.replays, self.queries, self.synced = 0, 0, False
@@ -391,13 +402,13 @@ class FakeEnergy:
 
 def test_mean_power_w_is_the_counters_growth_between_its_steps():
     dev, energy = FakePowerDevice(), FakeEnergy(watts=500.0)
-    probe = bench.PowerProbe(energy, window_s=0.5)
+    probe = bench.power.PowerProbe(energy, window_s=0.5)
     replay_us = 1000.0  # 20 replays per batch of POWER_BATCH_S
-    power = bench.mean_power_w(dev, lambda: setattr(dev, "replays", dev.replays + 1), replay_us, probe, energy.clock)
+    power = bench.power.mean_power_w(dev, lambda: setattr(dev, "replays", dev.replays + 1), replay_us, probe, energy.clock)
     assert power == pytest.approx(500.0, rel=0.01)
     assert 0.6 <= energy.now < 0.7  # from the first step (0.1 s) to the first one 0.5 s after it
-    per_batch = round(bench.POWER_BATCH_S * 1e6 / replay_us)
-    assert dev.replays % per_batch == 0 and dev.replays > bench.POWER_QUEUE * per_batch  # batches, refilled
+    per_batch = round(bench.power.POWER_BATCH_S * 1e6 / replay_us)
+    assert dev.replays % per_batch == 0 and dev.replays > bench.power.POWER_QUEUE * per_batch  # batches, refilled
     assert dev.synced  # and drained at the end
 
 
@@ -406,49 +417,49 @@ def test_mean_power_w_is_the_counters_growth_between_its_steps():
                          ids=["counter does not move", "no counter", "counter stops answering"])
 def test_mean_power_w_is_none_where_the_counter_does_not_serve(energy):
     dev = FakePowerDevice()
-    assert bench.mean_power_w(dev, lambda: None, 50.0, bench.PowerProbe(energy, window_s=0.5), energy.clock) is None
+    assert bench.power.mean_power_w(dev, lambda: None, 50.0, bench.power.PowerProbe(energy, window_s=0.5), energy.clock) is None
     assert dev.synced
-    assert energy.now < 0.5 + bench.ENERGY_STEP_TIMEOUT_S + 0.01  # it gave up in time
+    assert energy.now < 0.5 + bench.power.ENERGY_STEP_TIMEOUT_S + 0.01  # it gave up in time
     if energy.watts == 0.0:  # no step at all: it waits for the first one only so long
-        assert energy.now < bench.ENERGY_STEP_TIMEOUT_S + 0.01
+        assert energy.now < bench.power.ENERGY_STEP_TIMEOUT_S + 0.01
 
 
 def test_rows_and_peers_get_power_and_energy_per_launch(monkeypatch):
-    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
-    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
-    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
-    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([8.0]))
-    monkeypatch.setattr(bench, "chain_graph", lambda dev, enqueues: "graph")
-    monkeypatch.setattr(bench, "mean_power_w",
+    monkeypatch.setattr(bench.launches, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench.launches, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench.timing, "time_graphs", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([9.0]))
+    monkeypatch.setattr(bench.timing, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([8.0]))
+    monkeypatch.setattr(bench.timing, "chain_graph", lambda dev, enqueues: "graph")
+    monkeypatch.setattr(bench.run, "mean_power_w",
                         lambda dev, replay, replay_us, probe: replay() or (replay_us == 32 * 8.0 and 600.0))
     probes = []
-    monkeypatch.setattr(bench, "PEERS", {"bf16_sdpa": lambda dev, shape, config, power: probes.append(power) or (
-        1000, bench.Timing(50.0, 50.0, 1, (), power_w=400.0))})
-    config = bench.Config(ops=("decode",), shapes=((32, 32768),), bits=(3,), power_window_s=2.0)
-    (shape,) = bench.build_cases(config)
-    probe = bench.PowerProbe(FakeEnergy(watts=1.0), 2.0)
+    monkeypatch.setattr(bench.peers, "PEERS", {"bf16_sdpa": lambda dev, shape, config, power: probes.append(power) or (
+        1000, bench.timing.Timing(50.0, 50.0, 1, (), power_w=400.0))})
+    config = bench.config.Config(ops=("decode",), shapes=((32, 32768),), bits=(3,), power_window_s=2.0)
+    (shape,) = bench.config.build_cases(config)
+    probe = bench.power.PowerProbe(FakeEnergy(watts=1.0), 2.0)
     dev = FakeRunnerDevice()
-    result = bench._Runner(dev, config, 4000.0, power=probe).case(shape)
+    result = bench.run._Runner(dev, config, 4000.0, power=probe).case(shape)
     assert (result.power_w, result.energy_mj) == (600.0, pytest.approx(600.0 * 8.0e-3))  # at the in-graph time
     assert dev.launched == ["graph"]  # the chain graph's replays ran for it
     assert probes == [probe]
     peer = result.peers["bf16_sdpa"]
     assert (peer["power_w"], peer["energy_mj"]) == (400.0, pytest.approx(400.0 * 50.0e-3))
-    result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)  # no probe: nothing measured
+    result = bench.run._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)  # no probe: nothing measured
     assert result.power_w is None and result.energy_mj is None
 
 
 def test_report_lists_energy_per_launch_where_measured():
     rows = fake_rows()
-    config = bench.Config(power_window_s=2.0)
-    assert "power not measured" in bench.format_report(rows, DEVICE, config)
-    assert "energy per launch" not in bench.format_report(rows, DEVICE, bench.Config())
+    config = bench.config.Config(power_window_s=2.0)
+    assert "power not measured" in bench.report.format_report(rows, DEVICE, config)
+    assert "energy per launch" not in bench.report.format_report(rows, DEVICE, bench.config.Config())
     decode = rows[3]
     decode["power_w"], decode["energy_mj"] = 612.4, 7.8
     decode["peers"]["bf16_sdpa"].update(power_w=401.0, energy_mj=20.05)
-    report = bench.format_report(rows, DEVICE, config)
+    report = bench.report.format_report(rows, DEVICE, config)
     assert "power not measured" not in report
-    assert bench.energy_rows(rows) == [("decode", "3", "1x32768", "128", "7.8 (612)", "20.1 (401)", "-", "-")]
+    assert bench.report.energy_rows(rows) == [("decode", "3", "1x32768", "128", "7.8 (612)", "20.1 (401)", "-", "-")]
     assert "energy per launch" in report and "7.8 (612)" in report
 
 
@@ -457,38 +468,38 @@ def test_power_window_option_reaches_the_config():
     assert config_from_args(args).power_window_s == 2.5
     assert config_from_args(build_parser().parse_args(["bench"])).power_window_s == 0.0
     with pytest.raises(ValueError, match="power_window_s"):
-        bench.Config(power_window_s=-1.0)
+        bench.config.Config(power_window_s=-1.0)
 
 
 def test_clock_limit_notes_join_the_rows_notes():
-    row = bench.Result(op="decode", shape="32x32768", note="sets 12 %")
+    row = bench.rows.Result(op="decode", shape="32x32768", note="sets 12 %")
     row.mark_clock_limits({"power cap": 0.404, "thermal": 0.005})  # 0.5 %: under CLOCK_LIMIT_NOTE
     assert row.note == "sets 12 %, power cap 40 %"
     assert row.clock_limited == {"power cap": 0.404, "thermal": 0.005}
-    row = bench.Result(op="decode", shape="32x32768")
+    row = bench.rows.Result(op="decode", shape="32x32768")
     row.mark_clock_limits({"power cap": 0.0, "thermal": 0.5})
     assert row.note == "thermal 50 %"
-    row = bench.Result(op="decode", shape="32x32768")
+    row = bench.rows.Result(op="decode", shape="32x32768")
     row.mark_clock_limits({})  # not known
     assert row.note == "" and row.clock_limited is None
 
 
 def test_rows_and_peers_held_by_a_clock_limit_are_marked(monkeypatch):
-    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
-    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
-    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
-    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
-    monkeypatch.setattr(bench, "PEERS",
-                        {"bf16_sdpa": lambda dev, shape, config, power: (1000, bench.Timing.of([50.0]))})
-    config = bench.Config(ops=("decode",), shapes=((32, 32768),), bits=(3,))
-    (shape,) = bench.build_cases(config)
+    monkeypatch.setattr(bench.launches, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench.launches, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench.timing, "time_graphs", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([9.0]))
+    monkeypatch.setattr(bench.timing, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([7.0]))
+    monkeypatch.setattr(bench.peers, "PEERS",
+                        {"bf16_sdpa": lambda dev, shape, config, power: (1000, bench.timing.Timing.of([50.0]))})
+    config = bench.config.Config(ops=("decode",), shapes=((32, 32768),), bits=(3,))
+    (shape,) = bench.config.build_cases(config)
     # Counters that grow by 1000 s per reading: the power limit held through every block.
     counters = FakeNvmlCounters({"power cap": 10**12, "thermal": 0})
-    result = bench._Runner(FakeRunnerDevice(), config, 4000.0, counters).case(shape)
+    result = bench.run._Runner(FakeRunnerDevice(), config, 4000.0, counters).case(shape)
     assert result.note == "power cap 100 %"
     assert result.clock_limited == result.peers["bf16_sdpa"]["clock_limited"] == {"power cap": 1.0, "thermal": 0.0}
     assert counters.readings == 4  # before and after the row's timing, and the peer's
-    result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+    result = bench.run._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
     assert result.note == "" and result.clock_limited is None
     assert result.peers["bf16_sdpa"]["clock_limited"] is None
 
@@ -516,9 +527,9 @@ class FakeGraphDevice(FakeDevice):
 
 def test_time_graph_chain_times_one_graph_of_many_launches_per_launch():
     dev = FakeGraphDevice([1.0, 3.0])
-    timing = bench.time_graph_chain(dev, [lambda: dev.node(0), lambda: dev.node(1)], iters=8, warmup=1)
-    assert dev.graphs == [[0, 1] * (bench.GRAPH_CHAIN // 2)]  # the input sets rotate inside it
-    assert timing == bench.Timing(2.0, 2.0, 8, (2.0,))
+    timing = bench.timing.time_graph_chain(dev, [lambda: dev.node(0), lambda: dev.node(1)], iters=8, warmup=1)
+    assert dev.graphs == [[0, 1] * (bench.timing.GRAPH_CHAIN // 2)]  # the input sets rotate inside it
+    assert timing == bench.timing.Timing(2.0, 2.0, 8, (2.0,))
     # A replay queues GRAPH_CHAIN kernels: one per gate, as many as a gate's chunk of single launches.
     assert dev.log.count("hold") == dev.log.count("open") == 8
 
@@ -526,7 +537,7 @@ def test_time_graph_chain_times_one_graph_of_many_launches_per_launch():
 def test_replicate_fills_with_few_copies():
     pattern = np.arange(3 * 16, dtype=np.uint8)  # three 16-byte "pages"
     dev = FakeDevice(1000 * 16 + 64)
-    bench.replicate(dev, 64, 1000 * 16, pattern)
+    bench.launches.replicate(dev, 64, 1000 * 16, pattern)
     filled = dev.memory[64:].reshape(1000, 16)
     assert np.array_equal(filled, pattern.reshape(3, 16)[np.arange(1000) % 3])
     assert dev.log.count("copy") <= 10  # doubling: log2(1000 / 3) + 1
@@ -537,8 +548,8 @@ def test_encode_chunk_is_whole_reference_pages():
     pytest.importorskip("ml_dtypes")
     from fp8kturbov import reference as ref
 
-    shape = bench.Shape("decode", 3, 1, 1, 128, 4, 2, 16)
-    chunk = bench.encode_chunk(shape, 20, np.random.default_rng(1))
+    shape = bench.config.Shape("decode", 3, 1, 1, 128, 4, 2, 16)
+    chunk = bench.launches.encode_chunk(shape, 20, np.random.default_rng(1))
     layout = fp8kturbov.CacheLayout(2, 16, 2, 128, 3)  # 20 tokens round up to 2 pages
     assert chunk.k_pages.nbytes == layout.k_pool_bytes
     assert chunk.v_pages.nbytes == layout.v_pool_bytes
@@ -550,24 +561,28 @@ def test_encode_chunk_is_whole_reference_pages():
 # ---- Peers -----------------------------------------------------------------------------------------
 
 
+def test_report_has_a_column_per_peer_in_their_order():
+    assert list(bench.report.PEER_LABELS) == list(bench.peers.PEERS)
+
+
 def test_peer_failures_become_statuses(monkeypatch):
     def broken(dev, shape, config, power):
         raise RuntimeError("kernel exploded\nsecond line")
 
     def unavailable(dev, shape, config, power):
-        raise bench.PeerUnavailable("skipped: needs 9.0 GiB, 1.0 GiB free")
+        raise bench.peers.PeerUnavailable("skipped: needs 9.0 GiB, 1.0 GiB free")
 
-    monkeypatch.setattr(bench, "PEERS", {"a": broken, "b": unavailable})
-    config = bench.Config()
-    assert bench.run_peer("a", None, D128_3BIT, config, 4000.0) == {"status": "error: kernel exploded"}
-    assert bench.run_peer("b", None, D128_3BIT, config, 4000.0)["status"].startswith("skipped:")
+    monkeypatch.setattr(bench.peers, "PEERS", {"a": broken, "b": unavailable})
+    config = bench.config.Config()
+    assert bench.peers.run_peer("a", None, D128_3BIT, config, 4000.0) == {"status": "error: kernel exploded"}
+    assert bench.peers.run_peer("b", None, D128_3BIT, config, 4000.0)["status"].startswith("skipped:")
 
 
 @pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_sdpa", "fp8_flashinfer"])
 def test_missing_peer_module_is_absent(monkeypatch, name):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
     monkeypatch.setitem(sys.modules, "flashinfer", None)
-    assert bench.run_peer(name, None, D128_3BIT, bench.Config(), 4000.0) == {"status": "absent"}
+    assert bench.peers.run_peer(name, None, D128_3BIT, bench.config.Config(), 4000.0) == {"status": "absent"}
 
 
 def test_peer_versions_come_from_the_distribution_that_provides_the_module(monkeypatch):
@@ -576,15 +591,15 @@ def test_peer_versions_come_from_the_distribution_that_provides_the_module(monke
 
     def version(distribution):
         if distribution not in versions:
-            raise bench.importlib.metadata.PackageNotFoundError(distribution)
+            raise bench.report.importlib.metadata.PackageNotFoundError(distribution)
         return versions[distribution]
 
-    monkeypatch.setattr(bench.importlib.metadata, "packages_distributions",
+    monkeypatch.setattr(bench.report.importlib.metadata, "packages_distributions",
                         lambda: {"flashinfer": ["flashinfer-python"], "torch": ["torch"]})
-    monkeypatch.setattr(bench.importlib.metadata, "version", version)
-    assert bench._module_version("flashinfer") == "0.5.3"
-    assert bench._module_version("torch") == "2.11.0"
-    assert bench._module_version("absent_module") is None
+    monkeypatch.setattr(bench.report.importlib.metadata, "version", version)
+    assert bench.report._module_version("flashinfer") == "0.5.3"
+    assert bench.report._module_version("torch") == "2.11.0"
+    assert bench.report._module_version("absent_module") is None
 
 
 # ---- Output ----------------------------------------------------------------------------------------
@@ -592,29 +607,29 @@ def test_peer_versions_come_from_the_distribution_that_provides_the_module(monke
 
 def fake_rows() -> list[dict]:
     """The rows of a small run, as run_benchmarks would return them."""
-    read = bench.Result(op="read", shape="2 GiB read", bytes=2 * bench.GiB)
-    read.record(bench.Timing.of([500.0] * 30), bench.gbps(read.bytes, 500.0))
-    copy = bench.Result(op="copy", shape="2 GiB DtoD", bytes=4 * bench.GiB)
-    copy.record(bench.Timing.of([1100.0] * 30), read.gbps)
-    launch = bench.Result(op="launch", shape="empty-kernel graph", bytes=0, in_graph_us=1.25)
-    launch.record(bench.Timing.of([2.5]), read.gbps)
-    decode = bench.Result.for_shape(D128_3BIT)
-    decode.record(bench.Timing.of([14.0, 15.0]), read.gbps)
+    read = bench.rows.Result(op="read", shape="2 GiB read", bytes=2 * console.GiB)
+    read.record(bench.timing.Timing.of([500.0] * 30), bench.config.gbps(read.bytes, 500.0))
+    copy = bench.rows.Result(op="copy", shape="2 GiB DtoD", bytes=4 * console.GiB)
+    copy.record(bench.timing.Timing.of([1100.0] * 30), read.gbps)
+    launch = bench.rows.Result(op="launch", shape="empty-kernel graph", bytes=0, in_graph_us=1.25)
+    launch.record(bench.timing.Timing.of([2.5]), read.gbps)
+    decode = bench.rows.Result.for_shape(D128_3BIT)
+    decode.record(bench.timing.Timing.of([14.0, 15.0]), read.gbps)
     decode.in_graph_us = 12.75
     decode.plain_read_us = 12.5
-    decode.peers = {"bf16_sdpa": {"status": "ok", **bench.measured(
-        bench.peer_bytes(D128_3BIT, 2), bench.Timing.of([50.0]), read.gbps)},
-        "fp8_sdpa": {"status": "ok", **bench.measured(bench.peer_bytes(D128_3BIT, 1), bench.Timing.of([30.0]),
+    decode.peers = {"bf16_sdpa": {"status": "ok", **bench.rows.measured(
+        bench.config.peer_bytes(D128_3BIT, 2), bench.timing.Timing.of([50.0]), read.gbps)},
+        "fp8_sdpa": {"status": "ok", **bench.rows.measured(bench.config.peer_bytes(D128_3BIT, 1), bench.timing.Timing.of([30.0]),
                                                       read.gbps)},
         "fp8_flashinfer": {"status": "absent"}}
-    skipped = bench.Result.for_shape(bench.Shape("decode", 4, 32, 32768, 128, 32, 8, 16))
+    skipped = bench.rows.Result.for_shape(bench.config.Shape("decode", 4, 32, 32768, 128, 32, 8, 16))
     skipped.note = "skipped: needs 200.0 GiB, 100.0 GiB free"
     skipped.peers = {"bf16_sdpa": {"status": "skipped: needs 24.0 GiB, 1.0 GiB free"},
                      "fp8_flashinfer": {"status": "absent"}}
-    write = bench.Result.for_shape(bench.Shape("write", 3, 16, 0, 128, 32, 8, 16))
-    write.record(bench.Timing.of([3.0]), read.gbps)
+    write = bench.rows.Result.for_shape(bench.config.Shape("write", 3, 16, 0, 128, 32, 8, 16))
+    write.record(bench.timing.Timing.of([3.0]), read.gbps)
     write.note = "L2"
-    return [bench.dataclasses.asdict(r) for r in (read, copy, launch, decode, skipped, write)]
+    return [dataclasses.asdict(r) for r in (read, copy, launch, decode, skipped, write)]
 
 
 @pytest.mark.parametrize("recorded, want", [("0a1b2c3\n", "0a1b2c3"), ("\n", None)])
@@ -622,16 +637,16 @@ def test_source_commit_of_an_installed_package_is_the_recorded_one(tmp_path, mon
     # An installed package holds the build's record beside its modules (outside a git checkout
     # the build writes an empty line): that, not whatever repository encloses it, is the commit.
     (tmp_path / "build_commit.txt").write_text(recorded)
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))
-    monkeypatch.setattr(bench, "_command_output", lambda *command: pytest.fail(f"asked {command}"))
-    assert bench.source_commit() == want
+    monkeypatch.setattr(bench.report, "__file__", str(tmp_path / "tools" / "bench" / "report.py"))
+    monkeypatch.setattr(bench.report, "_command_output", lambda *command: pytest.fail(f"asked {command}"))
+    assert bench.report.source_commit() == want
 
 
 def test_source_commit_of_a_source_checkout_asks_git_beside_the_package(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))  # no record there
-    monkeypatch.setattr(bench, "_command_output", lambda *command: asked.append(command) or "f00dcafe")
-    assert bench.source_commit() == "f00dcafe"
+    monkeypatch.setattr(bench.report, "__file__", str(tmp_path / "tools" / "bench" / "report.py"))  # no record there
+    monkeypatch.setattr(bench.report, "_command_output", lambda *command: asked.append(command) or "f00dcafe")
+    assert bench.report.source_commit() == "f00dcafe"
     assert asked == [("git", "describe", "--always", "--dirty", "--exclude=*")]
 
 
@@ -640,7 +655,7 @@ DEVICE = {"name": "Test GPU", "driver": "580.1", "cuda_driver_api": "13.0", "com
 
 
 def test_report_has_the_table_ceiling_floor_and_context():
-    report = bench.format_report(fake_rows(), DEVICE, bench.Config())
+    report = bench.report.format_report(fake_rows(), DEVICE, bench.config.Config())
     lines = report.splitlines()
     assert lines[0].split() == ["op", "bits", "shape", "D", "us", "GB/s", "%", "ceil", "floor",
                                 "us", "read", "us", "in-graph", "us", "bf16", "sdpa", "us", "fp8", "sdpa", "us",
@@ -663,31 +678,31 @@ def test_report_has_the_table_ceiling_floor_and_context():
 
 def test_report_says_where_clock_limits_were_not_known():
     rows = fake_rows()
-    assert "clock limits not known: NVML's counters were not available" in bench.format_report(rows, DEVICE,
-                                                                                               bench.Config())
+    assert "clock limits not known: NVML's counters were not available" in bench.report.format_report(rows, DEVICE,
+                                                                                               bench.config.Config())
     rows[0]["clock_limited"] = {"power cap": 0.0, "thermal": 0.0}  # the ceiling's row
-    assert "clock limits not known" not in bench.format_report(rows, DEVICE, bench.Config())
+    assert "clock limits not known" not in bench.report.format_report(rows, DEVICE, bench.config.Config())
 
 
 def test_report_names_the_mode_and_the_options():
-    assert ", unchecked;" in bench.format_report(fake_rows(), DEVICE, bench.Config())
-    assert ", checked mode;" in bench.format_report(fake_rows(), DEVICE, bench.Config(checked=True))
-    config = bench.Config(v_encoder="mse", soft_cap=30.0, sinks=True)
-    assert ", unchecked, V encoder mse, soft cap 30, sinks;" in bench.format_report(fake_rows(), DEVICE, config)
-    report = bench.format_report(fake_rows(), DEVICE, bench.Config(q_len=4))
+    assert ", unchecked;" in bench.report.format_report(fake_rows(), DEVICE, bench.config.Config())
+    assert ", checked mode;" in bench.report.format_report(fake_rows(), DEVICE, bench.config.Config(checked=True))
+    config = bench.config.Config(v_encoder="mse", soft_cap=30.0, sinks=True)
+    assert ", unchecked, V encoder mse, soft cap 30, sinks;" in bench.report.format_report(fake_rows(), DEVICE, config)
+    report = bench.report.format_report(fake_rows(), DEVICE, bench.config.Config(q_len=4))
     assert ", unchecked, 4 query tokens per sequence (peers not run: they decode one);" in report
-    report = bench.format_report(fake_rows(), DEVICE, bench.Config(q_len=4, peers=False))
+    report = bench.report.format_report(fake_rows(), DEVICE, bench.config.Config(q_len=4, peers=False))
     assert ", unchecked, 4 query tokens per sequence;" in report
-    report = bench.format_report(fake_rows(), DEVICE, bench.Config(lengths="ramp", table_positions=131072))
+    report = bench.report.format_report(fake_rows(), DEVICE, bench.config.Config(lengths="ramp", table_positions=131072))
     assert (", unchecked, sequence i of B holding ceil(context * (i + 1) / B) tokens (dense peers not run: "
             "one length per batch), block-table rows of 131072 positions, passed as a column slice "
             "(block_tables_stride);") in report
-    report = bench.format_report(fake_rows(), DEVICE, bench.Config(table_positions=131072, whole_table_rows=True))
+    report = bench.report.format_report(fake_rows(), DEVICE, bench.config.Config(table_positions=131072, whole_table_rows=True))
     assert ", unchecked, block-table rows of 131072 positions, passed whole (the plan sized for them);" in report
 
 
 class FakeMemoryDevice:
-    """Records the allocations, memsets and uploads of `bench.launch_options`."""
+    """Records the allocations, memsets and uploads of `bench.launches.launch_options`."""
 
     def __init__(self) -> None:
         self.allocs, self.memsets, self.uploads = [], [], []
@@ -704,65 +719,65 @@ class FakeMemoryDevice:
         return 0x9000 + len(self.uploads)
 
 
-DECODE_SHAPE = bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16)
-WRITE_SHAPE = bench.Shape("write", 3, 16, 0, 128, 32, 8, 16)
+DECODE_SHAPE = bench.config.Shape("decode", 3, 2, 300, 128, 32, 8, 16)
+WRITE_SHAPE = bench.config.Shape("write", 3, 16, 0, 128, 32, 8, 16)
 
 
 def test_launch_options_give_each_set_a_zeroed_word_in_checked_mode():
-    layout = bench.CacheLayout(37, 16, 8, 128, 3)
+    layout = fp8kturbov.CacheLayout(37, 16, 8, 128, 3)
     dev = FakeMemoryDevice()
-    assert bench.launch_options(dev, DECODE_SHAPE, layout, bench.Config()) == {}
-    assert bench.launch_options(dev, WRITE_SHAPE, layout, bench.Config()) == {}
+    assert bench.launches.launch_options(dev, DECODE_SHAPE, layout, bench.config.Config()) == {}
+    assert bench.launches.launch_options(dev, WRITE_SHAPE, layout, bench.config.Config()) == {}
     assert dev.allocs == [] and dev.memsets == [] and dev.uploads == []
-    first = bench.launch_options(dev, DECODE_SHAPE, layout, bench.Config(checked=True))
-    second = bench.launch_options(dev, WRITE_SHAPE, layout, bench.Config(checked=True))
+    first = bench.launches.launch_options(dev, DECODE_SHAPE, layout, bench.config.Config(checked=True))
+    second = bench.launches.launch_options(dev, WRITE_SHAPE, layout, bench.config.Config(checked=True))
     assert first == {"num_blocks": 37, "error_flags": 0x1000}
     assert second == {"num_blocks": 37, "error_flags": 0x2000}
     assert dev.allocs == [4, 4] and dev.memsets == [(0x1000, 0, 4), (0x2000, 0, 4)]
 
 
 def test_launch_options_of_the_decode_and_the_write():
-    layout = bench.CacheLayout(37, 16, 8, 128, 3)
+    layout = fp8kturbov.CacheLayout(37, 16, 8, 128, 3)
     dev = FakeMemoryDevice()
-    config = bench.Config(v_encoder="mse", soft_cap=30.0, sinks=True)
-    assert bench.launch_options(dev, DECODE_SHAPE, layout, config) == {"sinks": 0x9001, "soft_cap": 30.0}
+    config = bench.config.Config(v_encoder="mse", soft_cap=30.0, sinks=True)
+    assert bench.launches.launch_options(dev, DECODE_SHAPE, layout, config) == {"sinks": 0x9001, "soft_cap": 30.0}
     assert dev.uploads[0].dtype == np.float32 and np.array_equal(dev.uploads[0], np.zeros(32))
-    assert bench.launch_options(dev, WRITE_SHAPE, layout, config) == {"v_encoder": fp8kturbov.VEncoder.MSE}
-    rotated = bench.Config(v_rotation="hadamard")
+    assert bench.launches.launch_options(dev, WRITE_SHAPE, layout, config) == {"v_encoder": fp8kturbov.VEncoder.MSE}
+    rotated = bench.config.Config(v_rotation="hadamard")
     for shape in (DECODE_SHAPE, WRITE_SHAPE):  # a rotated cache is written and decoded rotated
-        assert bench.launch_options(dev, shape, layout, rotated) == {"v_rotation": fp8kturbov.VRotation.HADAMARD}
+        assert bench.launches.launch_options(dev, shape, layout, rotated) == {"v_rotation": fp8kturbov.VRotation.HADAMARD}
 
 
 @pytest.mark.parametrize("whole, planned, stride", [(False, 3, {"block_tables_stride": 7}), (True, 7, {})])
 def test_wide_table_rows_are_passed_as_a_slice_or_whole(whole, planned, stride):
     # Rows of 100 positions are 7 pages of 16; a sequence of 40 tokens fills 3.
-    shape = bench.Shape("decode", 3, 2, 40, 128, 32, 8, 16, table_positions=100, whole_table_rows=whole)
-    layout = bench.CacheLayout(shape.num_blocks, 16, 8, 128, 3)
+    shape = bench.config.Shape("decode", 3, 2, 40, 128, 32, 8, 16, table_positions=100, whole_table_rows=whole)
+    layout = fp8kturbov.CacheLayout(shape.num_blocks, 16, 8, 128, 3)
     assert (shape.blocks_per_seq, shape.table_blocks, shape.planned_blocks) == (3, 7, planned)
-    assert bench.decode_scalars(shape, layout, 0.1, 0.0)["max_blocks_per_seq"] == planned
-    assert bench.launch_options(FakeMemoryDevice(), shape, layout, bench.Config()) == stride
-    compact = bench.dataclasses.replace(shape, table_positions=0, whole_table_rows=False)
-    assert bench.launch_bytes(shape) == bench.launch_bytes(compact)  # the entries read are the same
-    assert bench.device_bytes(shape, 1) == bench.device_bytes(compact, 1) + 2 * (7 - 3) * 4
-    table = bench.block_table(shape, np.random.default_rng(5))
+    assert bench.launches.decode_scalars(shape, layout, 0.1, 0.0)["max_blocks_per_seq"] == planned
+    assert bench.launches.launch_options(FakeMemoryDevice(), shape, layout, bench.config.Config()) == stride
+    compact = dataclasses.replace(shape, table_positions=0, whole_table_rows=False)
+    assert bench.config.launch_bytes(shape) == bench.config.launch_bytes(compact)  # the entries read are the same
+    assert bench.config.device_bytes(shape, 1) == bench.config.device_bytes(compact, 1) + 2 * (7 - 3) * 4
+    table = bench.launches.block_table(shape, np.random.default_rng(5))
     assert table.dtype == np.int32 and table.shape == (2, 7)
     assert sorted(table[:, :3].ravel().tolist()) == list(range(6)) and not table[:, 3:].any()
-    assert np.array_equal(table[:, :3], bench.block_table(compact, np.random.default_rng(5)))
+    assert np.array_equal(table[:, :3], bench.launches.block_table(compact, np.random.default_rng(5)))
 
 
 def test_launch_options_pass_the_query_rows_of_a_multi_token_decode():
-    layout = bench.CacheLayout(37, 16, 8, 128, 3)
+    layout = fp8kturbov.CacheLayout(37, 16, 8, 128, 3)
     dev = FakeMemoryDevice()
-    shape = bench.dataclasses.replace(DECODE_SHAPE, q_len=4)
-    options = bench.launch_options(dev, shape, layout, bench.Config(q_len=4))
+    shape = dataclasses.replace(DECODE_SHAPE, q_len=4)
+    options = bench.launches.launch_options(dev, shape, layout, bench.config.Config(q_len=4))
     assert options == {"query_start": 0x9001, "num_query_rows": 8}
     assert dev.uploads[0].dtype == np.int32 and np.array_equal(dev.uploads[0], [0, 4, 8])
-    assert bench.decode_scalars(shape, layout, 0.1, 0.0)["max_q_len"] == 4
-    assert bench.decode_scalars(DECODE_SHAPE, layout, 0.1, 0.0)["max_q_len"] == 1
+    assert bench.launches.decode_scalars(shape, layout, 0.1, 0.0)["max_q_len"] == 4
+    assert bench.launches.decode_scalars(DECODE_SHAPE, layout, 0.1, 0.0)["max_q_len"] == 1
 
 
 class FakeRunnerDevice:
-    """The part of `bench.Device` that `_Runner.case` asks directly (the launches are stubbed; a
+    """The part of `Device` that `_Runner.case` asks directly (the launches are stubbed; a
     graph launch is logged)."""
 
     stream = 7  # a raw CUstream handle as int() reads it
@@ -793,95 +808,95 @@ class FakeRunnerDevice:
 
 def test_plain_read_times_the_read_kernel_over_the_bytes_of_each_set(monkeypatch):
     reads = []
-    monkeypatch.setattr(_bench_kernels, "read", lambda stream, src, nbytes, sink, ctas: reads.append(
+    monkeypatch.setattr(kernels, "read", lambda stream, src, nbytes, sink, ctas: reads.append(
         (stream, src, nbytes, sink, ctas)))
 
     def time_graphs(dev, enqueues, iters, warmup):
         assert (iters, warmup) == (config.iters, config.warmup)
         for enqueue in enqueues:
             enqueue()
-        return bench.Timing.of([14.0, 15.0, 17.0])
+        return bench.timing.Timing.of([14.0, 15.0, 17.0])
 
-    monkeypatch.setattr(bench, "time_graphs", time_graphs)
-    dev, config = FakeRunnerDevice(), bench.Config(sets=3)
-    assert bench.time_plain_read(dev, 1000, config) == 15.0
+    monkeypatch.setattr(bench.timing, "time_graphs", time_graphs)
+    dev, config = FakeRunnerDevice(), bench.config.Config(sets=3)
+    assert bench.timing.time_plain_read(dev, 1000, config) == 15.0
     sink, *buffers = [0x1000 * (i + 1) for i in range(4)]
     assert dev.allocated == [4, 1008, 1008, 1008]  # the sink, then a set's bytes rounded up to 16
     assert dev.memsets == [(buffer, 1, 1008) for buffer in buffers]
-    assert reads == [(7, buffer, 1008, sink, bench.READ_CTAS_PER_SM * 132) for buffer in buffers]
+    assert reads == [(7, buffer, 1008, sink, bench.timing.READ_CTAS_PER_SM * 132) for buffer in buffers]
     # 3 sets of 40 GiB do not fit in the 100 GiB free: nothing allocated, nothing timed
     dev = FakeRunnerDevice()
-    assert bench.time_plain_read(dev, 40 * bench.GiB, config) is None and dev.allocated == []
+    assert bench.timing.time_plain_read(dev, 40 * console.GiB, config) is None and dev.allocated == []
 
 
 def test_decode_rows_and_their_peers_get_a_plain_read_of_their_bytes(monkeypatch):
     def absent(dev, shape, config, power):
-        raise bench.PeerUnavailable("absent")
+        raise bench.peers.PeerUnavailable("absent")
 
     plain_reads = []
-    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
-    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
-    monkeypatch.setattr(bench, "write_enqueues", lambda dev, shape, config, rng: [])
-    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
-    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
-    monkeypatch.setattr(bench, "time_plain_read", lambda dev, nbytes, config: plain_reads.append(nbytes) or
+    monkeypatch.setattr(bench.launches, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench.launches, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench.launches, "write_enqueues", lambda dev, shape, config, rng: [])
+    monkeypatch.setattr(bench.timing, "time_graphs", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([9.0]))
+    monkeypatch.setattr(bench.timing, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([7.0]))
+    monkeypatch.setattr(bench.timing, "time_plain_read", lambda dev, nbytes, config: plain_reads.append(nbytes) or
                         nbytes / 1e6)
-    monkeypatch.setattr(bench, "PEERS", {"bf16_sdpa": lambda dev, shape, config, power: (5_000_000, bench.Timing.of(
+    monkeypatch.setattr(bench.peers, "PEERS", {"bf16_sdpa": lambda dev, shape, config, power: (5_000_000, bench.timing.Timing.of(
         [50.0])), "fp8_flashinfer": absent})
-    config = bench.Config(ops=("decode", "write"), shapes=((32, 8192),), bits=(2, 3), tokens=(16,))
-    runner = bench._Runner(FakeRunnerDevice(), config, 4000.0)
-    cases = bench.build_cases(config)
+    config = bench.config.Config(ops=("decode", "write"), shapes=((32, 8192),), bits=(2, 3), tokens=(16,))
+    runner = bench.run._Runner(FakeRunnerDevice(), config, 4000.0)
+    cases = bench.config.build_cases(config)
     two, three = (runner.case(shape) for shape in cases if shape.op == "decode")
     write = runner.case(next(shape for shape in cases if shape.op == "write"))
     assert (two.plain_read_us, three.plain_read_us) == (two.bytes / 1e6, three.bytes / 1e6)
     assert two.peers["bf16_sdpa"]["plain_read_us"] == 5.0 and "plain_read_us" not in two.peers["fp8_flashinfer"]
     assert write.plain_read_us is None
     assert plain_reads == [two.bytes, 5_000_000, three.bytes]  # the peers' once for the shape
-    assert bench.table_rows([bench.dataclasses.asdict(two)])[0][8] == f"{two.bytes / 1e6:.2f}"
+    assert bench.report.table_rows([dataclasses.asdict(two)])[0][8] == f"{two.bytes / 1e6:.2f}"
 
 
 @pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_sdpa"])
 def test_dense_peers_skip_mixed_lengths_before_importing_anything(monkeypatch, name):
-    monkeypatch.setattr(bench, "_optional", lambda module: pytest.fail(f"imported {module}"))
-    shape = bench.Shape("decode", 3, 4, 40, 128, 32, 8, 16, lengths="ramp")
-    result = bench.run_peer(name, FakeRunnerDevice(), shape, bench.Config(), 4000.0)
+    monkeypatch.setattr(bench.peers, "_optional", lambda module: pytest.fail(f"imported {module}"))
+    shape = bench.config.Shape("decode", 3, 4, 40, 128, 32, 8, 16, lengths="ramp")
+    result = bench.peers.run_peer(name, FakeRunnerDevice(), shape, bench.config.Config(), 4000.0)
     assert result == {"status": "skipped: dense K/V hold sequences of one length"}
 
 
 def test_peers_run_only_for_one_query_token(monkeypatch):
     peer_runs = []
-    monkeypatch.setattr(bench, "encode_chunk", lambda shape, tokens, rng: None)
-    monkeypatch.setattr(bench, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
-    monkeypatch.setattr(bench, "time_graphs", lambda dev, enqueues, iters, warmup: bench.Timing.of([9.0]))
-    monkeypatch.setattr(bench, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.Timing.of([7.0]))
-    monkeypatch.setattr(bench, "run_peer", lambda name, dev, shape, config, ceiling, counters=None, power=None:
+    monkeypatch.setattr(bench.launches, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench.launches, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench.timing, "time_graphs", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([9.0]))
+    monkeypatch.setattr(bench.timing, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([7.0]))
+    monkeypatch.setattr(bench.peers, "run_peer", lambda name, dev, shape, config, ceiling, counters=None, power=None:
                         peer_runs.append((name, shape.q_len)) or {"status": "absent"})
     for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_sdpa", 1), ("fp8_flashinfer", 1)])]:
         peer_runs.clear()
-        config = bench.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), q_len=q_len)
-        (shape,) = bench.build_cases(config)
-        result = bench._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+        config = bench.config.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), q_len=q_len)
+        (shape,) = bench.config.build_cases(config)
+        result = bench.run._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
         assert (result.q_len, result.median_us, result.in_graph_us) == (q_len, 9.0, 7.0)
         assert peer_runs == peers_run
         assert set(result.peers) == {name for name, _ in peers_run}
 
 
 def test_table_columns_align():
-    table = bench.format_table([("a", "1.5"), ("bbb", "10.25")], ("name", "us"))
+    table = console.format_table([("a", "1.5"), ("bbb", "10.25")], ("name", "us"))
     assert table.splitlines() == ["name     us", "----  -----", "a       1.5", "bbb   10.25"]
 
 
 def test_json_schema(tmp_path):
     rows = fake_rows()
-    config = bench.Config(shapes=((1, 32768),), bits=(3,))
-    bench.write_json(tmp_path / "out.json", rows, DEVICE, config)
+    config = bench.config.Config(shapes=((1, 32768),), bits=(3,))
+    bench.rows.write_json(tmp_path / "out.json", rows, DEVICE, config)
     document = json.loads((tmp_path / "out.json").read_text())
     assert set(document) == {"schema", "device", "config", "rows"}
     assert document["schema"] == "fp8kturbov-bench/1" and document["device"] == DEVICE
     assert document["config"]["shapes"] == [[1, 32768]] and document["config"]["bits"] == [3]
     assert [row["op"] for row in document["rows"]] == ["read", "copy", "launch", "decode", "decode",
                                                        "write"]
-    keys = {f.name for f in bench.dataclasses.fields(bench.Result)}
+    keys = {f.name for f in dataclasses.fields(bench.rows.Result)}
     assert all(set(row) == keys for row in document["rows"])
     peer = document["rows"][3]["peers"]["bf16_sdpa"]
     assert set(peer) == {"status", "bytes", "median_us", "min_us", "samples", "set_medians_us", "gbps",
@@ -891,25 +906,25 @@ def test_json_schema(tmp_path):
     assert [row["q_len"] for row in document["rows"]] == [None, None, None, 1, 1, None]
     assert [(row["lengths"], row["table_positions"], row["whole_table_rows"]) for row in document["rows"][3:]] \
         == [("equal", 0, False), ("equal", 0, False), (None, None, None)]
-    bench.write_json(tmp_path / "q4.json", rows, DEVICE, bench.Config(q_len=4))
+    bench.rows.write_json(tmp_path / "q4.json", rows, DEVICE, bench.config.Config(q_len=4))
     assert json.loads((tmp_path / "q4.json").read_text())["config"]["q_len"] == 4
 
 
 def test_plot(tmp_path, monkeypatch):
     path = tmp_path / "roofline.png"
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert bench.write_plot(path, fake_rows()) == "matplotlib is not importable"
+    assert bench.report.write_plot(path, fake_rows()) == "matplotlib is not importable"
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
-    assert bench.write_plot(path, fake_rows()) is None
+    assert bench.report.write_plot(path, fake_rows()) is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_progress_without_tqdm_counts_on_stderr(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    assert list(bench.progress(["a", "b"], str.upper)) == ["a", "b"]
+    assert list(console.progress(["a", "b"], str.upper)) == ["a", "b"]
     assert capsys.readouterr().err.splitlines() == ["[1/2] A", "[2/2] B"]
-    assert list(bench.progress(["a"], str.upper, enabled=False)) == ["a"]
+    assert list(console.progress(["a"], str.upper, enabled=False)) == ["a"]
     assert capsys.readouterr().err == ""
 
 
@@ -925,14 +940,14 @@ def test_cli_options_become_a_config():
          "--lengths", "ramp", "--table-positions", "128k", "--whole-table-rows",
          "--ceiling-mib", "256", "--json", "out.json",
          "--plot", "out.png"])
-    assert config_from_args(args) == bench.Config(
+    assert config_from_args(args) == bench.config.Config(
         ops=("decode",), shapes=((1, 32768), (8, 8192)), bits=(3,), head_dims=(128, 256),
         num_q_heads=16, num_kv_heads=4, block_size=32, iters=50, warmup=5, sets=2,
         sparse_v_threshold=0.0, checked=True, v_encoder="mse", soft_cap=30.0, sinks=True,
         v_rotation="hadamard", q_len=4, lengths="ramp", table_positions=131072, whole_table_rows=True,
         peers=False, ceiling_bytes=256 << 20)
     assert (args.json, args.plot) == ("out.json", "out.png")
-    assert config_from_args(build_parser().parse_args(["bench"])) == bench.Config()
+    assert config_from_args(build_parser().parse_args(["bench"])) == bench.config.Config()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -959,19 +974,19 @@ def test_cli_rejects_bad_options(argv, message, capsys):
 def test_read_kernel_needs_16_byte_multiples():
     # Checked before the bench library is loaded: no GPU needed.
     for nbytes, src in ((1000, 0x1000), (1024, 0x1008)):
-        with pytest.raises(bench.BenchError, match="the read needs 16-byte multiples"):
-            _bench_kernels.read(0, src, nbytes, 0x2000, 1)
+        with pytest.raises(BenchError, match="the read needs 16-byte multiples"):
+            kernels.read(0, src, nbytes, 0x2000, 1)
 
 
 def test_a_missing_bench_library_is_a_bench_error(monkeypatch, tmp_path):
-    monkeypatch.setattr(_bench_kernels, "library_path", lambda: tmp_path / "libfp8kturbov.so")
-    _bench_kernels._library.cache_clear()
+    monkeypatch.setattr(kernels, "library_path", lambda: tmp_path / "libfp8kturbov.so")
+    kernels._library.cache_clear()
     try:
-        with pytest.raises(bench.BenchError, match=re.escape(
-                f"the bench kernels ({tmp_path / _bench_kernels.BENCH_LIBRARY_NAME}) are not loadable: ")):
-            _bench_kernels.empty(0)
+        with pytest.raises(BenchError, match=re.escape(
+                f"the bench kernels ({tmp_path / kernels.BENCH_LIBRARY_NAME}) are not loadable: ")):
+            kernels.empty(0)
     finally:
-        _bench_kernels._library.cache_clear()
+        kernels._library.cache_clear()
 
 
 def test_cli_reports_an_invalid_config_in_one_line(capsys):
@@ -988,9 +1003,9 @@ def test_cli_without_a_gpu_is_one_line(monkeypatch, capsys, flags, timing_gate):
 
     def no_gpu(**options):
         asked.append(options)
-        raise bench.BenchError("no usable CUDA GPU: cuInit failed: CUDA_ERROR_NO_DEVICE")
+        raise BenchError("no usable CUDA GPU: cuInit failed: CUDA_ERROR_NO_DEVICE")
 
-    monkeypatch.setattr(bench, "Device", no_gpu)
+    monkeypatch.setattr(cli, "Device", no_gpu)
     assert main(["bench", "--no-progress", *flags]) == 1
     assert asked == [{"timing_gate": timing_gate}]
     captured = capsys.readouterr()
@@ -1034,46 +1049,46 @@ TIMING_GATE = os.environ.get("FP8KTURBOV_TEST_NO_TIMING_GATE") != "1"
 @pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
 def test_gpu_smoke_one_tiny_shape(tmp_path, checked):
     # A small ceiling (its numbers are the L2's): compute-sanitizer tracks every byte copied.
-    config = bench.Config(shapes=((2, 300),), tokens=(16,), bits=(3,), iters=5, warmup=2, sets=2,
-                          ceiling_bytes=8 * bench.MiB, checked=checked)
-    with bench.Device(timing_gate=TIMING_GATE) as dev:
+    config = bench.config.Config(shapes=((2, 300),), tokens=(16,), bits=(3,), iters=5, warmup=2, sets=2,
+                          ceiling_bytes=8 * console.MiB, checked=checked)
+    with Device(timing_gate=TIMING_GATE) as dev:
         assert TIMING_GATE or not dev.gated  # on only where the driver supports it
-        device = bench.describe_device(dev)
-        rows = bench.run_benchmarks(config, device=dev, show_progress=False)
+        device = bench.report.describe_device(dev)
+        rows = bench.run.run_benchmarks(config, device=dev, show_progress=False)
     assert [row["op"] for row in rows] == ["read", "copy", "launch", "decode", "write"]
-    assert [row["samples"] for row in rows] == [bench.COPY_ITERS, bench.COPY_ITERS, 5, 5, 5]
+    assert [row["samples"] for row in rows] == [bench.run.COPY_ITERS, bench.run.COPY_ITERS, 5, 5, 5]
     assert all(row["median_us"] > 0 for row in rows)
     assert all(row["gbps"] > 0 for row in rows if row["op"] != "launch")  # an empty kernel moves 0 bytes
     assert [row["in_graph_us"] is not None and row["in_graph_us"] > 0 for row in rows] == [False, False, True,
                                                                                           True, True]
-    assert rows[3]["bytes"] == bench.launch_bytes(bench.build_cases(config)[0])
+    assert rows[3]["bytes"] == bench.config.launch_bytes(bench.config.build_cases(config)[0])
     assert [row["plain_read_us"] is not None and row["plain_read_us"] > 0 for row in rows] == [False, False, False,
                                                                                               True, False]
     for row in rows:  # None where NVML's counters are not available
         held = row["clock_limited"]
         assert held is None or (set(held) == {"power cap", "thermal"} and all(0 <= s <= 1 for s in held.values()))
-    assert set(rows[3]["peers"]) == set(bench.PEERS)
+    assert set(rows[3]["peers"]) == set(bench.peers.PEERS)
     for peer in rows[3]["peers"].values():
         assert peer["status"] == "absent" or peer["status"] == "ok", peer["status"]
         assert peer["status"] != "ok" or peer["plain_read_us"] > 0
     assert device["l2_bytes"] > 0 and device["name"]
-    report = bench.format_report(rows, device, config)
+    report = bench.report.format_report(rows, device, config)
     assert "read bandwidth" in report and "copy bandwidth (read+write)" in report and "launch floor" in report
-    bench.write_json(tmp_path / "bench.json", rows, device, config)
+    bench.rows.write_json(tmp_path / "bench.json", rows, device, config)
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][3]["op"] == "decode"
 
 
 @pytest.mark.gpu
 def test_gpu_power_window_one_tiny_shape():
-    config = bench.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), iters=5, warmup=2, sets=2,
-                          ceiling_bytes=8 * bench.MiB, peers=False, power_window_s=0.3)
-    with bench.Device(timing_gate=TIMING_GATE) as dev:
+    config = bench.config.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), iters=5, warmup=2, sets=2,
+                          ceiling_bytes=8 * console.MiB, peers=False, power_window_s=0.3)
+    with Device(timing_gate=TIMING_GATE) as dev:
         counters = NvmlCounters.open(dev.pci_bus_id)
         has_energy = counters is not None and counters.energy_mj() is not None
         if counters is not None:
             counters.close()
-        rows = bench.run_benchmarks(config, device=dev, show_progress=False)
-        report = bench.format_report(rows, bench.describe_device(dev), config)
+        rows = bench.run.run_benchmarks(config, device=dev, show_progress=False)
+        report = bench.report.format_report(rows, bench.report.describe_device(dev), config)
     decode = rows[3]
     if not has_energy:  # no energy counter here: nothing measured, and the report says so
         assert decode["power_w"] is None and "power not measured" in report
@@ -1099,20 +1114,20 @@ def test_gpu_cli_multi_token_decode_one_tiny_shape(tmp_path, capsys):
     assert decode["median_us"] > 0
     assert all(re.fullmatch(r"L2|sets \d+ %|(power cap|thermal) \d+ %", part)
                for part in decode["note"].split(", ") if part), decode["note"]
-    assert decode["bytes"] == bench.launch_bytes(bench.Shape("decode", 3, 2, 300, 128, 32, 8, 16, 4))
+    assert decode["bytes"] == bench.config.launch_bytes(bench.config.Shape("decode", 3, 2, 300, 128, 32, 8, 16, 4))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("whole", [False, True], ids=["slice", "whole"])
 def test_gpu_mixed_lengths_in_wide_table_rows_one_tiny_shape(whole):
-    config = bench.Config(ops=("decode",), shapes=((3, 300),), bits=(3,), iters=5, warmup=2, sets=2,
-                          ceiling_bytes=8 * bench.MiB, lengths="ramp", table_positions=1000,
+    config = bench.config.Config(ops=("decode",), shapes=((3, 300),), bits=(3,), iters=5, warmup=2, sets=2,
+                          ceiling_bytes=8 * console.MiB, lengths="ramp", table_positions=1000,
                           whole_table_rows=whole)
-    with bench.Device(timing_gate=TIMING_GATE) as dev:
-        rows = bench.run_benchmarks(config, device=dev, show_progress=False)
+    with Device(timing_gate=TIMING_GATE) as dev:
+        rows = bench.run.run_benchmarks(config, device=dev, show_progress=False)
     decode = rows[3]
-    (shape,) = bench.build_cases(config)
-    assert decode["median_us"] > 0 and decode["bytes"] == bench.launch_bytes(shape)
+    (shape,) = bench.config.build_cases(config)
+    assert decode["median_us"] > 0 and decode["bytes"] == bench.config.launch_bytes(shape)
     assert (decode["lengths"], decode["table_positions"], decode["whole_table_rows"]) == ("ramp", 1000, whole)
     peers = decode["peers"]
     assert peers["bf16_sdpa"]["status"] in ("absent", "skipped: dense K/V hold sequences of one length")

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from fp8kturbov import __main__ as cli
-from fp8kturbov import _device, bench, demo, info
+import fp8kturbov.tools.bench.launches
+import fp8kturbov.tools.bench.timing
+from fp8kturbov import _device
+from fp8kturbov.tools import bench, cli, demo, info
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "cuda" / "include" / "fp8kturbov.h"
@@ -112,7 +114,7 @@ def test_include_dir_prefers_the_installed_header_and_errors_without_one(tmp_pat
                                                                          capsys):
     package = tmp_path / "site-packages" / "fp8kturbov"
     (package / "include").mkdir(parents=True)
-    monkeypatch.setattr(info, "__file__", str(package / "info.py"))
+    monkeypatch.setattr(info, "__file__", str(package / "tools" / "info.py"))
     assert cli.main(["--include-dir"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("python -m fp8kturbov: error: fp8kturbov.h is in none of")
@@ -413,7 +415,7 @@ def test_demo_rejects_bad_files_in_one_line(tmp_path, capsys, arrays, extra, mes
 
 
 class _HostDevice:
-    """Stands for `bench.Device` in the demo's GPU path: "device memory" is host arrays."""
+    """Stands for `Device` in the demo's GPU path: "device memory" is host arrays."""
 
     stream = 0
 
@@ -476,10 +478,10 @@ def host_gpu(monkeypatch):
     monkeypatch.setattr(demo, "open_device", lambda: (dev, ""))
     monkeypatch.setattr(demo, "paged_decode_workspace_bytes", lambda **scalars: 0)
     monkeypatch.setattr(demo, "_download", lambda d, address, like: mem[address].copy())
-    monkeypatch.setattr(bench, "launch_write", write)
-    monkeypatch.setattr(bench, "launch_decode", decode)
-    monkeypatch.setattr(bench, "time_launches",
-                        lambda d, launches, iters, warmup: bench.Timing.of([2.5] * iters))
+    monkeypatch.setattr(bench.launches, "launch_write", write)
+    monkeypatch.setattr(bench.launches, "launch_decode", decode)
+    monkeypatch.setattr(bench.timing, "time_launches",
+                        lambda d, launches, iters, warmup: bench.timing.Timing.of([2.5] * iters))
     return dev
 
 

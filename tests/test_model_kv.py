@@ -1,4 +1,4 @@
-"""The real-model K/V source of the quality report (fp8kturbov.model_kv) and its rows.
+"""The real-model K/V source of the quality report (fp8kturbov.tools.model_kv) and its rows.
 
 Runs without a GPU. The tokenizer and the forward pass are checked on tiny hand-made models; the
 tests marked ``needs the model`` run only where SmolLM2-135M is installed (model_kv.INSTALL_HINT).
@@ -10,9 +10,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from fp8kturbov import __main__ as cli
-from fp8kturbov import model_kv as M
-from fp8kturbov import quality
+from fp8kturbov.tools import cli, quality
+from fp8kturbov.tools import model_kv as M
 
 
 def model_installed() -> bool:

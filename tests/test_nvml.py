@@ -1,4 +1,4 @@
-"""fp8kturbov._nvml against a fake NVML (tests/fake_nvml.c, built here as a shared library with
+"""fp8kturbov.tools.bench.nvml against a fake NVML (tests/fake_nvml.c, built here as a shared library with
 the C compiler): the counters it reads, and None wherever NVML cannot answer. Needs no GPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8kturbov._nvml import NvmlCounters
+from fp8kturbov.tools.bench.nvml import NvmlCounters
 
 SOURCE = Path(__file__).with_name("fake_nvml.c")
 BUS_ID = "0000:3b:00.0"  # the fake's GPU

@@ -13,8 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fp8kturbov import __main__ as cli
-from fp8kturbov import quality
+from fp8kturbov.tools import cli, quality
 from fp8kturbov import reference as R
 
 BF16 = ml_dtypes.bfloat16

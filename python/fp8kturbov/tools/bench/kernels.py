@@ -8,8 +8,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from ._device import BenchError, first_line
-from ._lib import library_path
+from fp8kturbov._device import BenchError, first_line
+from fp8kturbov._lib import library_path
 
 BENCH_LIBRARY_NAME = "libfp8kturbov_bench.so"
 READ_CTA_THREADS = 256  # threads per CTA of the read kernel (cuda/bench/bench_kernels.cu)

@@ -16,7 +16,7 @@ E4M3 scale per 16 elements, ``scale = E4M3(amax / 6)``, values rounded to neares
 The synthetic data are Gaussian, Student-t with 4 degrees of freedom, and Gaussian with a few channels
 per head multiplied by 20 (K and the queries standard Gaussian, every query attending every position).
 With ``Config.model`` the report adds real data (`MODEL_DATA`): the K, V and queries of every layer of
-SmolLM2-135M over an English text (`fp8kturbov.model_kv`, which needs the model installed), each query
+SmolLM2-135M over an English text (`fp8kturbov.tools.model_kv`, which needs the model installed), each query
 attending causally, with its query heads' GQA grouping; its errors are summed over the layers (each
 layer's K and FP8 V with their own per-tensor scale). Everything is deterministic for a given ``seed``.
 """
@@ -31,8 +31,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
+from fp8kturbov import reference as R
+
 from . import model_kv
-from . import reference as R
 from .model_kv import attention
 
 DISTRIBUTIONS = ("gaussian", "student_t4", "outliers")

@@ -15,10 +15,10 @@ import subprocess
 from pathlib import Path
 from typing import Sequence
 
-from . import __version__, _device, library_path, version
-from ._device import BenchError, first_line
-from ._lib import lib
-from .bench import GiB
+from fp8kturbov import __version__, _device, library_path, version
+from fp8kturbov._device import BenchError, first_line
+
+from .console import GiB
 
 HEADER_NAME = "fp8kturbov.h"
 
@@ -27,7 +27,7 @@ def include_dir() -> Path:
     """The folder holding ``fp8kturbov.h``: ``include/`` inside the installed package (where the
     wheel puts it), else ``cuda/include`` of the source checkout the package is imported from
     (run with ``FP8KTURBOV_LIBRARY`` pointing at a built library). Raises FileNotFoundError."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # this module is fp8kturbov/tools/info.py
     candidates = [package / "include", package.parents[1] / "cuda" / "include"]
     for folder in candidates:
         if (folder / HEADER_NAME).is_file():
@@ -194,6 +194,8 @@ def gpu_lines(archs: Sequence[str]) -> list[str]:
 def summary() -> list[str]:
     """The lines of ``info``: the library's version, ABI and path, the header's path, the CUDA
     architectures the library holds code for, then `gpu_lines`."""
+    from fp8kturbov._lib import lib  # the loaded library: only this report needs it
+
     path = library_path().resolve()
     try:
         header = str(include_dir() / HEADER_NAME)

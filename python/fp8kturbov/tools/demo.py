@@ -17,9 +17,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import CacheLayout, VEncoder, VRotation, bench, paged_decode_workspace_bytes, planning
-from ._device import BenchError, Device, cu, driver_call, first_line
-from ._lib import ROTATION_HEAD_DIMS
+from fp8kturbov import CacheLayout, VEncoder, VRotation, paged_decode_workspace_bytes, planning
+from fp8kturbov._device import BenchError, Device, cu, driver_call, first_line
+from fp8kturbov._lib import ROTATION_HEAD_DIMS
+
+from .bench import launches, timing
+from .bench.config import Shape, gbps
+from .console import progress
 
 DEFAULT_SEQ_LENS = (2048, 1500, 640, 37)
 #: Share of the random token rows scaled by OUTLIER_GAIN (in K and V, every KV head).
@@ -74,19 +78,19 @@ class DemoCase:
         """Cache bytes of all token rows, K and V (one layer)."""
         return len(self.keys) * self.layout.bytes_per_token
 
-    def shape(self, op: str) -> bench.Shape:
-        """The `bench.Shape` of the write (all token rows) or of the decode (longest sequence,
+    def shape(self, op: str) -> Shape:
+        """The `Shape` of the write (all token rows) or of the decode (longest sequence,
         ``q_len`` query tokens per sequence)."""
         batch, context, q_len = ((len(self.keys), 0, 1) if op == "write"
                                  else (len(self.seq_lens), int(self.seq_lens.max()), self.q_len))
-        return bench.Shape(op, self.layout.v_bits, batch, context, self.layout.head_dim,
-                           self.q.shape[1], self.layout.num_kv_heads, self.layout.block_size, q_len)
+        return Shape(op, self.layout.v_bits, batch, context, self.layout.head_dim,
+                     self.q.shape[1], self.layout.num_kv_heads, self.layout.block_size, q_len)
 
     def decode_scalars(self, sparse_v_threshold: float) -> dict[str, Any]:
         """The decode's scalar arguments (``inv_sqrt_d = head_dim ** -0.5``, dense q; the
         sinks and query_start are not scalars: see `run_kernels`)."""
-        return {**bench.decode_scalars(self.shape("decode"), self.layout, self.k_scale,
-                                       sparse_v_threshold), "soft_cap": self.soft_cap,
+        return {**launches.decode_scalars(self.shape("decode"), self.layout, self.k_scale,
+                                          sparse_v_threshold), "soft_cap": self.soft_cap,
                 "v_rotation": VRotation[self.v_rotation.upper()]}
 
 
@@ -178,7 +182,7 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
 
 def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np.ndarray]:
     """The K and V pools `reference.write_cache` leaves, starting from the poisoned ones."""
-    from . import reference as ref
+    from fp8kturbov import reference as ref
 
     layout, n = case.layout, case.layout.row_elems
     k_pool, v_pool = case.k_pool_init.copy(), case.v_pool_init.copy()
@@ -187,7 +191,7 @@ def reference_pools(case: DemoCase, show_progress: bool) -> tuple[np.ndarray, np
     def label(s: int) -> str:
         return f"reference write, sequence {s} ({case.seq_lens[s]} tokens)"
 
-    for s in bench.progress(range(len(case.seq_lens)), label, show_progress):
+    for s in progress(range(len(case.seq_lens)), label, show_progress):
         rows = slice(starts[s], starts[s] + case.seq_lens[s])
         ref.write_cache(case.keys[rows], case.values[rows], k_pool, v_pool, slots[rows],
                         int(case.seq_lens[s]), layout.num_kv_heads, layout.head_dim,
@@ -201,7 +205,7 @@ def reference_decode(case: DemoCase, k_pool: np.ndarray, v_pool: np.ndarray,
                      sparse_v_threshold: float) -> np.ndarray:
     """`reference.paged_decode` of the pools, float64 ``[num_seqs * q_len, num_q_heads,
     head_dim]``."""
-    from . import reference as ref
+    from fp8kturbov import reference as ref
 
     scalars = case.decode_scalars(sparse_v_threshold)
     bits = scalars.pop("v_bits")
@@ -272,15 +276,15 @@ def run_kernels(dev: Device, case: DemoCase, sparse_v_threshold: float,
                 iters: int) -> GpuRun:
     """Write the cache and decode with the library (the decode with its split workspace), read
     the pools and output back, then time ``iters`` CUDA-event-timed runs of each."""
-    write = bench.WriteBuffers(
+    write = launches.WriteBuffers(
         key=dev.upload(case.keys.view(np.uint16)), value=dev.upload(case.values.view(np.uint16)),
         k_cache=dev.upload(case.k_pool_init), v_cache=dev.upload(case.v_pool_init),
         slot_mapping=dev.upload(case.slot_mapping))
     scalars = case.decode_scalars(sparse_v_threshold)
     workspace_bytes = paged_decode_workspace_bytes(**scalars)
-    scalars.update(bench.query_start_arguments(dev, case.shape("decode")))
+    scalars.update(launches.query_start_arguments(dev, case.shape("decode")))
     poison = np.full(case.q.shape, 0x7FC1, dtype=np.uint16)  # a bf16 NaN: unwritten shows
-    decode = bench.DecodeBuffers(
+    decode = launches.DecodeBuffers(
         q=dev.upload(case.q.view(np.uint16)), k_cache=write.k_cache, v_cache=write.v_cache,
         output=dev.upload(poison), block_tables=dev.upload(case.block_tables),
         seq_lens=dev.upload(case.seq_lens),
@@ -289,16 +293,16 @@ def run_kernels(dev: Device, case: DemoCase, sparse_v_threshold: float,
     write_options = {"v_encoder": VEncoder[case.v_encoder.upper()], "v_rotation": scalars["v_rotation"]}
     if case.sinks is not None:
         scalars["sinks"] = dev.upload(case.sinks)
-    launch_write = functools.partial(bench.launch_write, case.shape("write"), case.layout,
+    launch_write = functools.partial(launches.launch_write, case.shape("write"), case.layout,
                                      case.k_scale, write, dev.stream, write_options)
-    launch_decode = functools.partial(bench.launch_decode, scalars, decode, dev.stream)
+    launch_decode = functools.partial(launches.launch_decode, scalars, decode, dev.stream)
     launch_write()
     k_pool, v_pool = (_download(dev, address, like) for address, like in
                       ((write.k_cache, case.k_pool_init), (write.v_cache, case.v_pool_init)))
     launch_decode()
     output = _download(dev, decode.output, poison).view(_bf16()).astype(np.float64)
-    write_time = bench.time_launches(dev, [launch_write], iters, DEMO_WARMUP)
-    decode_time = bench.time_launches(dev, [launch_decode], iters, DEMO_WARMUP)
+    write_time = timing.time_launches(dev, [launch_write], iters, DEMO_WARMUP)
+    decode_time = timing.time_launches(dev, [launch_decode], iters, DEMO_WARMUP)
     return GpuRun(k_pool, v_pool, output, write_time.median_us, decode_time.median_us)
 
 
@@ -326,7 +330,7 @@ def gpu_report(run: GpuRun, case: DemoCase, pools: tuple[np.ndarray, np.ndarray]
     speed = (f"kernel time, median of {iters} CUDA-event-timed runs: write {run.write_us:.1f} us "
              f"({len(case.keys)} tokens), decode {run.decode_us:.1f} us (reads "
              f"{case.cache_bytes / 1e6:.2f} MB of cache: "
-             f"{bench.gbps(case.cache_bytes, run.decode_us):.0f} GB/s)")
+             f"{gbps(case.cache_bytes, run.decode_us):.0f} GB/s)")
     return [line for line, _ in checks] + [speed], all(ok for _, ok in checks)
 
 

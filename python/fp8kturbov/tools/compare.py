@@ -1,8 +1,8 @@
 """Two benchmark runs side by side: ``python -m fp8kturbov compare BASELINE.json CANDIDATE.json``.
 
-Both files are written by ``python -m fp8kturbov bench --json`` (schema: `bench.write_json`),
+Both files are written by ``python -m fp8kturbov bench --json`` (schema: `bench.rows.write_json`),
 typically by two builds on the same GPU. `compare_files` matches their rows by what they measure
-(`ROW_IDENTITY`: the op, every `bench.Shape` field and the shape text) and gives each match the
+(`ROW_IDENTITY`: the op, every `bench.config.Shape` field and the shape text) and gives each match the
 change of its median time per launch, ``100 * (candidate / baseline - 1)`` %, positive when the
 candidate is slower, and the same change of its in-graph time (per launch with 32 launches in one
 graph: what a short launch costs inside an engine's captured step), shown beside it. The ceiling
@@ -33,12 +33,14 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from . import bench
+from .bench.config import OPS, Config, Shape
+from .bench.rows import BENCH_SCHEMA, context_line
+from .console import format_number, format_table
 
 #: The row fields that say what a row measures. The shape text tells apart the ceiling copies
-#: of different sizes; for decode and write rows it follows from the `bench.Shape` fields.
-ROW_IDENTITY = ("op", "shape", *(f.name for f in dataclasses.fields(bench.Shape) if f.name != "op"))
-#: `bench.Shape` fields that older files lack, with the value their decode rows had (write rows:
+#: of different sizes; for decode and write rows it follows from the `Shape` fields.
+ROW_IDENTITY = ("op", "shape", *(f.name for f in dataclasses.fields(Shape) if f.name != "op"))
+#: `Shape` fields that older files lack, with the value their decode rows had (write rows:
 #: null). Files of library 0.2 lack ``q_len``, those written before the bench's ``--lengths`` and
 #: ``--table-positions`` the others.
 LATER_DECODE_FIELDS = {"q_len": 1, "lengths": "equal", "table_positions": 0, "whole_table_rows": False}
@@ -105,7 +107,7 @@ class RowComparison:
     @property
     def is_case(self) -> bool:
         """A decode or write row; not the ceiling's read or copy or the launch floor (the machine's)."""
-        return self.op in bench.OPS
+        return self.op in OPS
 
     @property
     def ratio(self) -> float | None:
@@ -123,7 +125,7 @@ class RowComparison:
         return _change_pct(_ratio(self.baseline_in_graph_us, self.candidate_in_graph_us))
 
     def describe(self) -> str:
-        """As `bench.Shape.describe` for decode and write: ``"decode 3b D128 8x8192"``."""
+        """As `Shape.describe` for decode and write: ``"decode 3b D128 8x8192"``."""
         if not self.is_case:
             return f"{self.op} {self.shape}"
         return f"{self.op} {self.bits}b D{self.head_dim} {self.shape}"
@@ -150,8 +152,8 @@ def load_bench_json(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     schema = document.get("schema") if isinstance(document, dict) else None
-    if schema != bench.BENCH_SCHEMA:
-        raise ValueError(f"{path}: schema {schema!r} is not {bench.BENCH_SCHEMA!r} (the files of "
+    if schema != BENCH_SCHEMA:
+        raise ValueError(f"{path}: schema {schema!r} is not {BENCH_SCHEMA!r} (the files of "
                          "'python -m fp8kturbov bench --json PATH')")
     if not isinstance(document.get("rows"), list):
         raise ValueError(f"{path}: 'rows' is not a list")
@@ -270,10 +272,10 @@ def _differences(baseline: dict[str, Any], candidate: dict[str, Any], names: Ite
 
 def context_warnings(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
     """One warning line where the documents' devices (`DEVICE_FIELDS`) differ, one where their
-    configs do (every `bench.Config` field but `CASE_SELECTION`): the times may differ for that."""
+    configs do (every `Config` field but `CASE_SELECTION`): the times may differ for that."""
     devices = _differences(baseline["device"], candidate["device"], DEVICE_FIELDS)
     options = _differences(baseline["config"], candidate["config"],
-                           [f.name for f in dataclasses.fields(bench.Config)
+                           [f.name for f in dataclasses.fields(Config)
                             if f.name not in CASE_SELECTION])
     warnings = []
     if devices:
@@ -293,7 +295,7 @@ def compare_runs(rounds: Sequence[tuple[str | Path, str | Path]]) -> BenchCompar
 
     def side(index: int) -> str:
         paths = ", ".join(str(pair[index]) for pair in rounds)
-        return f"{paths}: {bench.context_line(documents[0][index]['device'])}"
+        return f"{paths}: {context_line(documents[0][index]['device'])}"
 
     warnings = [w for baseline, candidate in documents for w in context_warnings(baseline, candidate)]
     return BenchComparison(
@@ -324,8 +326,8 @@ def table_rows(records: Iterable[RowComparison], power_caps: bool = False) -> li
     """The cells of the decode and write rows found in both files, in `TABLE_COLUMNS` order, then
     (``power_caps``) `POWER_CAP_COLUMN`, then (over several rounds) `ROUNDS_COLUMN`: the rounds'
     changes, ``/``-separated."""
-    return [(r.op, str(r.bits), r.shape, str(r.head_dim), bench.format_number(r.baseline_us, 2),
-             bench.format_number(r.candidate_us, 2), _signed(r.change_pct),
+    return [(r.op, str(r.bits), r.shape, str(r.head_dim), format_number(r.baseline_us, 2),
+             format_number(r.candidate_us, 2), _signed(r.change_pct),
              _signed(r.in_graph_change_pct))
             + ((f"{_share(r.baseline_power_cap)}/{_share(r.candidate_power_cap)}",) if power_caps else ())
             + (("/".join(map(_signed, r.round_changes_pct)),) if r.round_changes_pct else ())
@@ -346,8 +348,8 @@ def summary_line(records: Iterable[RowComparison]) -> str:
 
 
 def _times_text(record: RowComparison) -> str:
-    return (f"{bench.format_number(record.baseline_us, 2)} -> "
-            f"{bench.format_number(record.candidate_us, 2)} us ({_signed(record.change_pct)} %)")
+    return (f"{format_number(record.baseline_us, 2)} -> "
+            f"{format_number(record.candidate_us, 2)} us ({_signed(record.change_pct)} %)")
 
 
 def format_comparison(comparison: BenchComparison) -> str:
@@ -361,7 +363,7 @@ def format_comparison(comparison: BenchComparison) -> str:
     if comparison.rounds > 1:
         lines.append(f"{comparison.rounds} rounds: each time is the median over the rounds, each "
                      "change that of the medians")
-    lines += [*comparison.warnings, "", bench.format_table(table_rows(records, power_caps), columns), ""]
+    lines += [*comparison.warnings, "", format_table(table_rows(records, power_caps), columns), ""]
     lines += [f"{r.describe()}: only in {r.only_in}" for r in records if r.only_in]
     lines += [f"{r.describe()}: {r.note}" for r in records if r.note]
     machine = [r for r in records if not r.is_case and not r.only_in]

@@ -1,0 +1,342 @@
+"""What a benchmark run measures: the `Config` (with the command line's parsers of its values),
+the cases it expands to (`Shape`, `build_cases`) and the bytes each case must move (all in bytes;
+bandwidths in GB/s of 1e9 bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fp8kturbov import VEncoder, VRotation
+from fp8kturbov._lib import ROTATION_HEAD_DIMS
+from fp8kturbov.arrays import MAX_Q_LEN
+
+from ..console import GiB
+from .kernels import READ_ALIGNMENT
+
+DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
+    (1, 32768), (1, 131072), (8, 8192), (32, 8192), (128, 2048), (32, 32768), (1, 1024), (8, 4096))
+DEFAULT_WRITE_TOKENS: tuple[int, ...] = (1, 16, 128, 32768)
+OPS = ("decode", "write")
+#: How the decode's sequences of a shape ``BxC`` are long: all ``C`` tokens ("equal"), or
+#: sequence ``i`` of ``B`` holding ``ceil(C * (i + 1) / B)`` ("ramp": up to ``C``, about half of
+#: the tokens, a batch of mixed lengths such as continuous batching makes).
+LENGTHS = ("equal", "ramp")
+V_BITS = (2, 3, 4)
+V_ENCODER_NAMES = tuple(encoder.name.lower() for encoder in VEncoder)
+V_ROTATION_NAMES = tuple(rotation.name.lower() for rotation in VRotation)
+BF16_BYTES = 2
+#: Share of the free device memory a case (or a peer) may take; the rest is slack for the
+#: allocator's rounding and whatever torch keeps cached.
+MEMORY_HEADROOM = 0.9
+
+
+def parse_count(text: str) -> int:
+    """A positive integer, optionally with a ``k`` suffix (x1024): ``"32768"``, ``"32k"``."""
+    body = text.strip().lower()
+    scale = 1024 if body.endswith("k") else 1
+    digits = body[:-1] if scale > 1 else body
+    if not digits.isdigit() or int(digits) == 0:
+        raise ValueError(f"{text!r} is not a positive integer (a 'k' suffix means x1024)")
+    return int(digits) * scale
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of `parse_count` values: ``"128,256"``."""
+    return tuple(parse_count(item) for item in text.split(","))
+
+
+def parse_q_len(text: str) -> int:
+    """Query tokens per sequence: a `parse_count` of at most ``MAX_Q_LEN`` (the library's limit)."""
+    count = parse_count(text)
+    if count > MAX_Q_LEN:
+        raise ValueError(f"{text!r} is more than {MAX_Q_LEN} query tokens per sequence")
+    return count
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """Decode shapes ``"BATCHxCONTEXT,..."``: ``"1x32768,8x8k"`` -> ``((1, 32768), (8, 8192))``."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2:
+            raise ValueError(f"shape {item!r} is not BATCHxCONTEXT (e.g. 8x8192)")
+        shapes.append((parse_count(parts[0]), parse_count(parts[1])))
+    return tuple(shapes)
+
+
+def sequence_lengths(batch: int, context: int, lengths: str) -> np.ndarray:
+    """The int32 ``seq_lens`` of a decode shape ``batch x context`` (tokens), as `LENGTHS` says."""
+    if lengths == "ramp":
+        sequence = np.arange(1, batch + 1, dtype=np.int64)
+        return (-(-context * sequence // batch)).astype(np.int32)
+    return np.full(batch, context, np.int32)
+
+
+@dataclass(frozen=True)
+class Config:
+    """What to run. Counts are elements/tokens/sequences; ``ceiling_bytes`` is bytes."""
+
+    ops: tuple[str, ...] = OPS
+    shapes: tuple[tuple[int, int], ...] = DEFAULT_DECODE_SHAPES  # decode: (batch, context tokens)
+    tokens: tuple[int, ...] = DEFAULT_WRITE_TOKENS  # write: token rows per launch
+    bits: tuple[int, ...] = V_BITS
+    head_dims: tuple[int, ...] = (128,)
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    block_size: int = 16
+    iters: int = 200  # timed samples per case
+    warmup: int = 20  # untimed launches before them
+    sets: int = 3  # input sets rotated among
+    sparse_v_threshold: float = 1e-3
+    checked: bool = False  # checked mode (pool capacity and an error word) on every launch
+    v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
+    soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
+    sinks: bool = False  # decode with attention sinks (zero logits)
+    v_rotation: str = "none"  # write and decode with this V rotation (a lower-case VRotation name)
+    q_len: int = 1  # decode: query tokens per sequence (1: no query_start, the one-token decode)
+    lengths: str = "equal"  # decode: one of LENGTHS
+    table_positions: int = 0  # decode: block-table row width in positions; 0 = each shape's context
+    whole_table_rows: bool = False  # decode: plan for the row width (else pass the pages, stride = width)
+    peers: bool = True  # not run with q_len > 1: they decode one query token per sequence
+    ceiling_bytes: int = 2 * GiB  # read by the ceiling's kernel, and copied by the copy
+    chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
+    seed: int = 0
+    power_window_s: float = 0.0  # seconds of back-to-back launches per row for its mean power; 0 = off
+
+    def __post_init__(self) -> None:
+        problems = [f"op {op!r} is not one of {OPS}" for op in self.ops if op not in OPS]
+        problems += [f"V bits {b} is not one of {V_BITS}" for b in self.bits if b not in V_BITS]
+        problems += [f"head_dim {d} is not a positive multiple of 16"
+                     for d in self.head_dims if d <= 0 or d % 16]
+        counts = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads,
+                  "block_size": self.block_size, "iters": self.iters, "sets": self.sets,
+                  "ceiling_bytes": self.ceiling_bytes, "chunk_tokens": self.chunk_tokens}
+        problems += [f"{name} = {value} must be >= 1" for name, value in counts.items() if value < 1]
+        if self.warmup < 0:
+            problems.append(f"warmup = {self.warmup} must be >= 0")
+        if self.ceiling_bytes % READ_ALIGNMENT:
+            problems.append(f"ceiling_bytes = {self.ceiling_bytes} is not a multiple of {READ_ALIGNMENT}")
+        if self.num_kv_heads >= 1 and self.num_q_heads % self.num_kv_heads:
+            problems.append(f"num_q_heads = {self.num_q_heads} is not a multiple of "
+                            f"num_kv_heads = {self.num_kv_heads}")
+        if not self.sparse_v_threshold >= 0:
+            problems.append(f"sparse_v_threshold = {self.sparse_v_threshold} must be >= 0")
+        if self.v_encoder not in V_ENCODER_NAMES:
+            problems.append(f"v_encoder {self.v_encoder!r} is not one of {V_ENCODER_NAMES}")
+        if not 0 <= self.power_window_s < float("inf"):
+            problems.append(f"power_window_s = {self.power_window_s} must be finite and >= 0")
+        if not 0 <= self.soft_cap < float("inf"):
+            problems.append(f"soft_cap = {self.soft_cap} must be finite and >= 0")
+        if self.v_rotation not in V_ROTATION_NAMES:
+            problems.append(f"v_rotation {self.v_rotation!r} is not one of {V_ROTATION_NAMES}")
+        elif self.v_rotation != "none":
+            problems += [f"v_rotation {self.v_rotation!r} needs a head_dim in {ROTATION_HEAD_DIMS}, not {d}"
+                         for d in self.head_dims if d not in ROTATION_HEAD_DIMS]
+        if self.lengths not in LENGTHS:
+            problems.append(f"lengths {self.lengths!r} is not one of {LENGTHS}")
+        if not 1 <= self.q_len <= MAX_Q_LEN:
+            problems.append(f"q_len = {self.q_len} must be in 1..{MAX_Q_LEN}")
+        elif "decode" in self.ops:
+            problems += [f"decode shape {batch}x{context} has a sequence of fewer than q_len = "
+                         f"{self.q_len} tokens" for batch, context in self.shapes
+                         if sequence_lengths(batch, context, self.lengths).min() < self.q_len]
+        if self.table_positions < 0:
+            problems.append(f"table_positions = {self.table_positions} must be >= 0")
+        elif self.table_positions and "decode" in self.ops:
+            problems += [f"table_positions = {self.table_positions} is shorter than the context of "
+                         f"decode shape {batch}x{context}" for batch, context in self.shapes
+                         if context > self.table_positions]
+        if self.whole_table_rows and not self.table_positions:
+            problems.append("whole_table_rows needs table_positions")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case.
+
+    ``op == "decode"``: ``batch`` sequences of up to ``context`` cached tokens (`seq_lens`),
+    ``q_len`` query tokens each (the last ``q_len`` positions; with ``q_len > 1`` passed through
+    ``query_start``), each sequence on ``blocks_per_seq`` pages of its own; its block-table rows
+    are ``table_blocks`` pages wide, of which the launch plans for `planned_blocks`.
+    ``op == "write"``: ``batch`` token rows written, ``context == 0``, ``q_len == 1``, and the
+    decode's fields at their defaults.
+    """
+
+    op: str
+    bits: int
+    batch: int
+    context: int
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    block_size: int
+    q_len: int = 1
+    lengths: str = "equal"
+    table_positions: int = 0
+    whole_table_rows: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch}x{self.context}" if self.op == "decode" else f"{self.batch} tok"
+
+    @property
+    def row_elems(self) -> int:
+        """Elements of one token row of K (or V): ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Pages per sequence (decode): ``ceil(context / block_size)``."""
+        return -(-self.context // self.block_size)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """The decode's int32 ``seq_lens`` ``[batch]`` (tokens), as ``lengths`` says."""
+        return sequence_lengths(self.batch, self.context, self.lengths)
+
+    @property
+    def attended_tokens(self) -> int:
+        """Cached tokens the decode attends, over all sequences: the sum of `seq_lens`."""
+        return int(self.seq_lens.sum())
+
+    @property
+    def seq_blocks(self) -> np.ndarray:
+        """The pages each sequence's tokens fill, int64 ``[batch]``: ``ceil(seq_len / block_size)``."""
+        return -(-self.seq_lens.astype(np.int64) // self.block_size)
+
+    @property
+    def used_blocks(self) -> int:
+        """Block-table entries the decode reads: the sum of `seq_blocks`."""
+        return int(self.seq_blocks.sum())
+
+    @property
+    def table_blocks(self) -> int:
+        """Pages per block-table row: ``ceil(table_positions / block_size)``, or
+        `blocks_per_seq` where ``table_positions`` is 0 (the compact table)."""
+        return max(self.blocks_per_seq, -(-self.table_positions // self.block_size))
+
+    @property
+    def planned_blocks(self) -> int:
+        """The launch's ``max_blocks_per_seq``: `table_blocks` with ``whole_table_rows`` (rows
+        passed whole, the plan sized for them), else `blocks_per_seq` with the row width as
+        ``block_tables_stride`` (a column slice, the plan sized for the context)."""
+        return self.table_blocks if self.whole_table_rows else self.blocks_per_seq
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages of one input set's pools: every sequence's own pages (decode), or just enough
+        slots for the rows written (write)."""
+        if self.op == "decode":
+            return self.batch * self.blocks_per_seq
+        return -(-self.batch // self.block_size)
+
+    @property
+    def query_rows(self) -> int:
+        """Rows of q and of the output (decode): ``batch * q_len``."""
+        return self.batch * self.q_len
+
+    @property
+    def q_elems(self) -> int:
+        """Elements of q, and of the output (decode): ``query_rows * num_q_heads * head_dim``."""
+        return self.query_rows * self.num_q_heads * self.head_dim
+
+    @property
+    def query_start(self) -> np.ndarray | None:
+        """The decode's int32 ``query_start`` ``[batch + 1]`` (``q_len`` rows per sequence), or
+        None for ``q_len == 1``, which passes none (one query row per sequence)."""
+        if self.q_len == 1:
+            return None
+        return np.arange(self.batch + 1, dtype=np.int32) * self.q_len
+
+    @property
+    def query_start_bytes(self) -> int:
+        """Bytes of `query_start` (int32), 0 where there is none."""
+        return 0 if self.q_len == 1 else (self.batch + 1) * 4
+
+    def describe(self) -> str:
+        return f"{self.op} {self.bits}b D{self.head_dim} {self.label}"
+
+
+def build_cases(config: Config) -> list[Shape]:
+    """The cases of ``config`` in run order: decode then write; the bits of one shape adjacent,
+    so that the peers (which ignore the bits) run once per shape."""
+    heads = (config.num_q_heads, config.num_kv_heads, config.block_size)
+    sizes = {"decode": config.shapes, "write": [(tokens, 0) for tokens in config.tokens]}
+    decode_fields = {"decode": dict(q_len=config.q_len, lengths=config.lengths,
+                                    table_positions=config.table_positions,
+                                    whole_table_rows=config.whole_table_rows),
+                     "write": {}}
+    return [Shape(op, bits, batch, context, head_dim, *heads, **decode_fields[op])
+            for op in OPS if op in config.ops
+            for head_dim in config.head_dims
+            for batch, context in sizes[op]
+            for bits in config.bits]
+
+
+# ---- Byte counts (all in bytes) ----------------------------------------------------------------
+
+
+def cache_bytes_per_token(shape: Shape) -> int:
+    """Cache bytes of one token, all KV heads: K (1 per element) + V codes (bits/8 per element)
+    + V scales (1 per 16 elements)."""
+    d = shape.head_dim
+    return shape.num_kv_heads * (d + d * shape.bits // 8 + d // 16)
+
+
+def launch_bytes(shape: Shape) -> int:
+    """Bytes one launch must move.
+
+    decode: the cache bytes of every attended token (once, whatever ``q_len``: the query tokens
+    of a sequence attend its positions together), q read and the output written (bf16,
+    ``q_len`` rows per sequence), the used block-table entries and seq_lens (int32), and
+    ``query_start`` (int32) where ``q_len > 1``. write: the bf16 K and V rows read, their cache
+    bytes written, and the int64 slot mapping.
+    """
+    if shape.op == "decode":
+        tables = (shape.used_blocks + shape.batch) * 4
+        return (shape.attended_tokens * cache_bytes_per_token(shape)
+                + 2 * shape.q_elems * BF16_BYTES + tables + shape.query_start_bytes)
+    rows_read = shape.batch * shape.row_elems * 2 * BF16_BYTES
+    return rows_read + shape.batch * (cache_bytes_per_token(shape) + 8)
+
+
+def peer_bytes(shape: Shape, kv_element_bytes: int) -> int:
+    """Bytes a dense-cache peer must move for a decode shape: K and V of ``kv_element_bytes``
+    per element for every attended token, plus q and the output (bf16)."""
+    kv = 2 * shape.attended_tokens * shape.row_elems * kv_element_bytes
+    return kv + 2 * shape.q_elems * BF16_BYTES
+
+
+def device_bytes(shape: Shape, sets: int) -> int:
+    """Device memory one case allocates for ``sets`` input sets: the pools plus the inputs."""
+    pool_slots = shape.num_blocks * shape.block_size
+    pools = pool_slots * cache_bytes_per_token(shape)
+    if shape.op == "decode":
+        per_set = (pools + 2 * shape.q_elems * BF16_BYTES + shape.batch * (shape.table_blocks + 1) * 4
+                   + shape.query_start_bytes)
+    else:
+        per_set = pools + shape.batch * (2 * shape.row_elems * BF16_BYTES + 8)
+    return sets * per_set
+
+
+def gbps(nbytes: float, time_us: float) -> float:
+    """Bandwidth in GB/s (1e9 bytes per second) of ``nbytes`` moved in ``time_us``."""
+    return nbytes / time_us / 1e3
+
+
+def floor_us(nbytes: float, ceiling_gbps: float) -> float:
+    """The least time ``nbytes`` can take at the ceiling, µs."""
+    return nbytes / (ceiling_gbps * 1e3)
+
+
+def fits_in_l2(nbytes: int, sets: int, l2_bytes: int) -> bool:
+    """Whether all input sets' bytes fit in L2 together, so that replays may be served from it."""
+    return nbytes * sets <= l2_bytes
+
+
+def fits_in_memory(needed: int, free: int) -> bool:
+    return needed <= MEMORY_HEADROOM * free
