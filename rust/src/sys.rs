@@ -16,12 +16,12 @@ pub const FP8KTURBOV_VERSION: c_int =
     FP8KTURBOV_VERSION_MAJOR * 10000 + FP8KTURBOV_VERSION_MINOR * 100 + FP8KTURBOV_VERSION_PATCH;
 pub const FP8KTURBOV_ABI_VERSION: c_int = 1;
 
-// ---- Defaults and limits --------------------------------------------------------------------------
+// ---- Defaults and limits ------------------------------------------------------------------------
 pub const FP8KTURBOV_DEFAULT_SPARSE_V_THRESHOLD: f32 = 1e-3;
 pub const FP8KTURBOV_DEFAULT_V_BITS: u32 = 3;
 pub const FP8KTURBOV_MAX_QUERY_LEN: u32 = 16;
 
-// ---- Status ----------------------------------------------------------------------------------------
+// ---- Status -------------------------------------------------------------------------------------
 pub type fp8kturbov_status_t = c_uint;
 pub const FP8KTURBOV_STATUS_SUCCESS: fp8kturbov_status_t = 0;
 pub const FP8KTURBOV_STATUS_INVALID_VALUE: fp8kturbov_status_t = 1;
@@ -38,7 +38,7 @@ pub struct CUstream_st {
 }
 pub type fp8kturbov_stream_t = *mut CUstream_st;
 
-// ---- Checked mode ---------------------------------------------------------------------------------
+// ---- Checked mode -------------------------------------------------------------------------------
 pub type fp8kturbov_index_error_t = c_uint;
 pub const FP8KTURBOV_INDEX_ERROR_SLOT: fp8kturbov_index_error_t = 1;
 pub const FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE: fp8kturbov_index_error_t = 2;
@@ -54,7 +54,7 @@ pub type fp8kturbov_v_rotation_t = c_uint;
 pub const FP8KTURBOV_V_ROTATION_NONE: fp8kturbov_v_rotation_t = 0;
 pub const FP8KTURBOV_V_ROTATION_HADAMARD: fp8kturbov_v_rotation_t = 1;
 
-// ---- Parameter structs (fields only ever appended; see the header for units) ------------------------
+// ---- Parameter structs (fields only ever appended; see the header for units) --------------------
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fp8kturbov_write_params_t {

@@ -15,7 +15,7 @@ use std::process::Command;
 
 use fp8kturbov::sys;
 
-// ---- What the Rust side declares -------------------------------------------------------------------
+// ---- What the Rust side declares ----------------------------------------------------------------
 
 struct Struct {
     name: &'static str,
@@ -83,7 +83,10 @@ fn rust_type_sizes() -> Vec<(&'static str, usize)> {
 /// (name, is a float, value: the integer, or the float's bits)
 macro_rules! constants {
     (ints: $($i:ident),* ; floats: $($f:ident),* $(,)?) => {
-        vec![$((stringify!($i), false, sys::$i as i128),)* $((stringify!($f), true, sys::$f.to_bits() as i128),)*]
+        vec![
+            $((stringify!($i), false, sys::$i as i128),)*
+            $((stringify!($f), true, sys::$f.to_bits() as i128),)*
+        ]
     };
 }
 
@@ -261,7 +264,7 @@ fn rust_functions() -> Vec<(String, String)> {
     ]
 }
 
-// ---- The C side --------------------------------------------------------------------------------------
+// ---- The C side ---------------------------------------------------------------------------------
 
 fn include_dir() -> PathBuf {
     // Set by the build script when it found the header (see build.rs).
@@ -322,8 +325,8 @@ fn c_program() -> String {
     let declarations: Vec<String> = rust_functions().into_iter().map(|(_, d)| d).collect();
     format!(
         "#include <stdio.h>\n#include <string.h>\n#include \"fp8kturbov.h\"\n\n{}\n\n\
-         static long long float_bits(float f) {{\n  uint32_t bits;\n  memcpy(&bits, &f, sizeof bits);\n  \
-         return (long long)bits;\n}}\n\
+         static long long float_bits(float f) {{\n  uint32_t bits;\n  \
+         memcpy(&bits, &f, sizeof bits);\n  return (long long)bits;\n}}\n\
          #define P(key, value) printf(\"%s=%lld\\n\", key, (long long)(value))\n\n\
          int main(void) {{\n{body}  return 0;\n}}\n",
         declarations.join("\n")
@@ -382,7 +385,7 @@ fn sizes_offsets_constants_and_signatures_match_the_header() {
     assert!(differences.is_empty(), "sys differs from the header:\n{}", differences.join("\n"));
 }
 
-// ---- Names the header declares -----------------------------------------------------------------------
+// ---- Names the header declares ------------------------------------------------------------------
 
 fn preprocessed_header(extra: &[&str]) -> String {
     run(cc().args(["-E", "-P"]).args(extra).arg(include_dir().join("fp8kturbov.h")))
@@ -406,7 +409,7 @@ fn assert_same_names(what: &str, header: &BTreeSet<String>, rust: &BTreeSet<Stri
     let rust_only: Vec<&String> = rust.difference(header).collect();
     assert!(
         header_only.is_empty() && rust_only.is_empty(),
-        "{what}: in the header only {header_only:?}, in sys (or this test's lists) only {rust_only:?}"
+        "{what}: in the header only {header_only:?}, in sys (or the lists here) only {rust_only:?}"
     );
 }
 

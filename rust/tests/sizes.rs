@@ -1,7 +1,7 @@
 //! Versions, the size functions and `CacheLayout` through the real library, against the format's
 //! rules as tests/c/test_c_abi.c states them (docs/format.md §2, §3): with n = num_kv_heads ·
-//! head_dim, a K page is B·n bytes, a V page's code section B·n·b/8 and the page (2b + 1)·B·n/16
-//! (the codes, then one E4M3 scale byte per 16 elements).
+//! head_dim, a K page is B·n bytes, a V page's code section B·n·b/8 and the page
+//! (2b + 1)·B·n/16 (the codes, then one E4M3 scale byte per 16 elements).
 
 use fp8kturbov::{sys, CacheLayout, Status};
 
