@@ -64,7 +64,8 @@ fn find_library(tried: &mut Vec<String>) -> Option<PathBuf> {
     ];
     for (source, find) in candidates {
         match find() {
-            Some(dir) if dir.join(LIBRARY_FILE).is_file() => return Some(dir),
+            // Canonical, so that the rpath names the folder plainly.
+            Some(dir) if dir.join(LIBRARY_FILE).is_file() => return dir.canonicalize().ok(),
             Some(dir) => tried.push(format!("{source}: {} has no {LIBRARY_FILE}", dir.display())),
             None => tried.push(format!("{source}: not set, or no answer")),
         }

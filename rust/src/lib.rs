@@ -1,18 +1,7 @@
-//! Rust bindings to libfp8kturbov, a paged KV cache with FP8 E4M3 keys and TurboQuant 2/3/4-bit
-//! values, through its C ABI (`fp8kturbov.h`).
-//!
-//! - [`sys`]: the header, one declaration per C item, checked against it by `tests/layout.rs`;
-//! - statuses as [`Result`] with the library's message ([`Error`]), the ABI checked once
-//!   ([`check_abi`]) before any other call;
-//! - sizes: [`k_page_bytes`], [`v_page_bytes`], [`v_data_section_bytes`], [`CacheLayout`];
-//! - the generic entry points with params builders whose defaults are the library's:
-//!   [`reshape_and_cache`] / [`WriteParams`], [`paged_decode_attn`] and
-//!   [`paged_decode_workspace_bytes`] / [`DecodeParams`], [`dequantize`] / [`DequantizeParams`];
-//! - the original engine's launchers, argument for argument:
-//!   `reshape_and_cache_fp8k_turbo{2,3,4}v`, `paged_decode_attn_fp8k_turbo{2,3,4}v`.
-//!
-//! Device pointers and streams are `u64` throughout the safe layer; launches are `unsafe fn`
-//! because the kernels access whatever those addresses point to.
+#![doc = include_str!("../README.md")]
+// Modules, one concern each: `sys` (the header), `error` (statuses as Result), `version` (the ABI
+// check), `layout` (sizes), `params` (builders), `ops` (the generic entry points), `engine` (the
+// original engine's launchers).
 
 mod engine;
 mod error;
