@@ -62,7 +62,8 @@ macro_rules! builder {
         }
 
         impl $builder {
-            /// The library's defaults; fails only when the library's ABI differs from this crate's.
+            /// The library's defaults. Fails when the library's ABI differs from this crate's, or
+            /// (`BadStructSize`) when the library is older than the header this crate mirrors.
             pub fn new() -> Result<Self> {
                 check_abi()?;
                 let mut raw = MaybeUninit::<$raw>::zeroed();

@@ -3,7 +3,8 @@
 //! C enums are `c_uint` (what C compilers make of an enum without negative values), with one
 //! constant per value, so that a value added by a newer library is still representable. Pointer
 //! arguments keep their C types here; the safe layer takes device pointers as `u64`.
-//! `tests/layout.rs` compares every size, offset, constant and signature below with the header.
+//! `tests/layout.rs` compares every size, offset, constant and signature below with the header;
+//! build.rs links the library.
 #![allow(non_camel_case_types)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
@@ -149,7 +150,6 @@ pub struct fp8kturbov_dequantize_params_t {
 }
 pub const FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE: usize = 104;
 
-#[link(name = "fp8kturbov")]
 extern "C" {
     pub fn fp8kturbov_version() -> c_int;
     pub fn fp8kturbov_abi_version() -> c_int;
@@ -208,7 +208,6 @@ extern "C" {
 /// The fixed-argument launchers of the original engine, one per V width (V bits in the name).
 macro_rules! declare_fixed_launchers {
     ($($write:ident, $decode:ident;)*) => {
-        #[link(name = "fp8kturbov")]
         extern "C" {
             $(
                 pub fn $write(
