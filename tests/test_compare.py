@@ -409,7 +409,6 @@ def test_module_exit_status(files):
     assert run_module("compare", files[0], files[0], "--max-slowdown", "0").returncode == 0
 
 
-@pytest.mark.xfail(strict=False, reason="the core loads the library at import")
 def test_compare_quality_and_info_help_need_no_library(files, tmp_path):
     # None of these runs a kernel: on a machine without libfp8kturbov.so they still work.
     package_root = str(Path(bench.__file__).resolve().parents[3])

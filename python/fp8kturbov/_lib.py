@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ._device import driver_version
 from ._errors import Status, error_for
-from ._limits import ROTATION_HEAD_DIMS  # noqa: F401  (also importable from here, as before)
+from ._limits import ROTATION_HEAD_DIMS  # noqa: F401  (importable from here, as before)
 
 #: The ABI this package was written against (``FP8KTURBOV_ABI_VERSION`` of the header).
 ABI_VERSION = 1

@@ -55,6 +55,7 @@ fp8kturbov_status_t resolve_index_check(const char* entry, const Params& p, Inde
 template <typename Params>
 fp8kturbov_status_t check_token_rows(const char* entry, const Params& p, uint64_t* row_elems) {
   FP8KTURBOV_CHECK(check_row_format(entry, p.v_bits, p.head_dim, p.num_kv_heads));
+  if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
   *row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
   if (*row_elems > UINT32_MAX)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,

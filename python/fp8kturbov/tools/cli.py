@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 from fp8kturbov import Fp8kturbovError, library_path
 from fp8kturbov._device import BenchError, Device, first_line
+from fp8kturbov._limits import DEFAULT_SPARSE_V_THRESHOLD
 
 from . import compare, demo, info, model_kv, quality
 from .bench.config import (LENGTHS, MAX_Q_LEN, OPS, V_ENCODER_NAMES, V_ROTATION_NAMES, Config, parse_count,
@@ -300,8 +301,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take K and V from arrays k, v [num_tokens, kv_heads, head_dim] "
                         "(sequences back to back; they set --kv-heads and --head-dim), and "
                         "seq_lens and q [num_seqs * q-len, q_heads, head_dim] where present")
-    parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=1e-3,
-                        help="decode's sparse-V threshold, 0 = exact (default: 1e-3)")
+    parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=DEFAULT_SPARSE_V_THRESHOLD,
+                        help=f"decode's sparse-V threshold, 0 = exact (default: {DEFAULT_SPARSE_V_THRESHOLD:g})")
     parser.add_argument("--v-encoder", choices=V_ENCODER_NAMES, default="matched_norm",
                         help="the write's V encoder (default: matched_norm)")
     parser.add_argument("--soft-cap", type=float, metavar="CAP", default=0.0,

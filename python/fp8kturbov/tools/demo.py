@@ -19,7 +19,7 @@ import numpy as np
 
 from fp8kturbov import CacheLayout, VEncoder, VRotation, paged_decode_workspace_bytes, planning
 from fp8kturbov._device import BenchError, Device, cu, driver_call, first_line
-from fp8kturbov._lib import ROTATION_HEAD_DIMS
+from fp8kturbov._limits import ROTATION_HEAD_DIMS
 
 from .bench import launches, timing
 from .bench.config import Shape, gbps

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fp8kturbov import VEncoder, VRotation
-from fp8kturbov._lib import ROTATION_HEAD_DIMS
-from fp8kturbov.arrays import MAX_Q_LEN
+from fp8kturbov._limits import DEFAULT_SPARSE_V_THRESHOLD, MAX_Q_LEN, ROTATION_HEAD_DIMS
 
 from ..console import GiB
 from .kernels import READ_ALIGNMENT
@@ -89,7 +88,7 @@ class Config:
     iters: int = 200  # timed samples per case
     warmup: int = 20  # untimed launches before them
     sets: int = 3  # input sets rotated among
-    sparse_v_threshold: float = 1e-3
+    sparse_v_threshold: float = DEFAULT_SPARSE_V_THRESHOLD
     checked: bool = False  # checked mode (pool capacity and an error word) on every launch
     v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
     soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
