@@ -3,7 +3,7 @@
 #pragma once
 
 #include "format.cuh"
-#include "token_group_args.h"
+#include "kernel_args.h"
 #include "reshape_and_cache.cuh"  // load_codebook, token_group_of_thread
 
 namespace fp8kturbov {

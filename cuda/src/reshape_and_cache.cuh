@@ -4,7 +4,7 @@
 #include <type_traits>
 
 #include "format.cuh"
-#include "token_group_args.h"
+#include "kernel_args.h"
 
 namespace fp8kturbov {
 
