@@ -175,10 +175,11 @@ def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProces
 
 
 def _project_version() -> str:
-    text = (REPO / "CMakeLists.txt").read_text()
-    match = re.search(r"project\(\s*fp8kturbov\s+VERSION\s+([0-9.]+)", text)
-    assert match, "project(fp8kturbov VERSION ...) not found in CMakeLists.txt"
-    return match.group(1)
+    """The version CMake gives the project: the header's FP8KTURBOV_VERSION_MAJOR/MINOR/PATCH."""
+    text = (REPO / "cuda" / "include" / "fp8kturbov.h").read_text()
+    parts = [re.search(rf"^#define FP8KTURBOV_VERSION_{part} (\d+)$", text, re.M) for part in ("MAJOR", "MINOR", "PATCH")]
+    assert all(parts), "FP8KTURBOV_VERSION_MAJOR/MINOR/PATCH not found in fp8kturbov.h"
+    return ".".join(part.group(1) for part in parts)
 
 
 @dataclass
