@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from example_util import check_example_without_gpu_contract
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "c"
@@ -419,13 +420,7 @@ def example(tools: Tools, installed: Installed, tmp_path_factory: pytest.TempPat
 
 
 def test_example_builds(example: Path):
-    """Without a GPU the example says so and exits 77; with one it runs (see the gpu test)."""
-    ran = subprocess.run([str(example)], capture_output=True, text=True, timeout=300)
-    assert ran.returncode in (0, 77), ran.stdout + ran.stderr
-    if ran.returncode == 77:
-        assert "SKIPPED: no usable CUDA GPU" in ran.stdout, ran.stdout
-    usage = subprocess.run([str(example), "9"], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and "usage:" in usage.stderr
+    check_example_without_gpu_contract(example)
 
 
 @pytest.mark.gpu

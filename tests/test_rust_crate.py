@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from example_util import check_example_without_gpu_contract
 
 import fp8kturbov
 
@@ -58,13 +59,7 @@ def test_cargo_test(cargo_env: dict[str, str]):
 
 
 def test_example_builds(example: Path):
-    """Without a GPU the example says so and exits 77 (with one it runs: the gpu test)."""
-    ran = subprocess.run([str(example)], capture_output=True, text=True, timeout=300)
-    assert ran.returncode in (0, 77), ran.stdout + ran.stderr
-    if ran.returncode == 77:
-        assert "SKIPPED: no usable CUDA GPU" in ran.stdout, ran.stdout
-    usage = subprocess.run([str(example), "9"], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and "usage:" in usage.stderr
+    check_example_without_gpu_contract(example)
 
 
 @pytest.mark.gpu
