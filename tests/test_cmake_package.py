@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 from example_util import check_example_without_gpu_contract
 
+from fp8kturbov._lib import header_version
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "c"
 MIN_CMAKE = (3, 26)
@@ -176,11 +178,10 @@ def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProces
 
 
 def _project_version() -> str:
-    """The version CMake gives the project: the header's FP8KTURBOV_VERSION_MAJOR/MINOR/PATCH."""
-    text = (REPO / "cuda" / "include" / "fp8kturbov.h").read_text()
-    parts = [re.search(rf"^#define FP8KTURBOV_VERSION_{part} (\d+)$", text, re.M) for part in ("MAJOR", "MINOR", "PATCH")]
-    assert all(parts), "FP8KTURBOV_VERSION_MAJOR/MINOR/PATCH not found in fp8kturbov.h"
-    return ".".join(part.group(1) for part in parts)
+    """The version CMake gives the project: the header's version macros."""
+    found = header_version(REPO / "cuda" / "include" / "fp8kturbov.h")
+    assert found, "FP8KTURBOV_VERSION_MAJOR/MINOR/PATCH not found in fp8kturbov.h"
+    return found
 
 
 @dataclass

@@ -333,6 +333,13 @@ def version() -> str:
 _HEADER_VERSION = re.compile(r"^#define FP8KTURBOV_VERSION_(MAJOR|MINOR|PATCH) (\d+)$", re.M)
 
 
+def header_version(header: Path) -> str | None:
+    """``major.minor.patch`` from the version macros of a copy of the header (what CMake and
+    pyproject.toml read too); None where it lacks one of them."""
+    parts = dict(_HEADER_VERSION.findall(header.read_text()))
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}" if len(parts) == 3 else None
+
+
 def package_version() -> str:
     """This package's version (``fp8kturbov.__version__``), the header's version macros in the
     end: the metadata of the distribution that installed it; else the header beside the package
@@ -342,8 +349,6 @@ def package_version() -> str:
         return distribution.version
     package = Path(__file__).resolve().parent
     for header in (package / "include" / HEADER_NAME, package.parents[1] / "cuda" / "include" / HEADER_NAME):
-        if header.is_file():
-            parts = dict(_HEADER_VERSION.findall(header.read_text()))
-            if len(parts) == 3:
-                return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
+        if header.is_file() and (found := header_version(header)) is not None:
+            return found
     return version()
