@@ -12,12 +12,18 @@
 //!     for seq_len 0, and a relative error per (sequence, query head) within the V width's
 //!     tolerance.
 //!
-//! Usage: gpu_decode [v_bits]   (2, 3 or 4; default 3)
+//! With `--save DIR` it also writes its inputs, the pools and both outputs to DIR as raw
+//! little-endian files (`save.rs`), so that a test can compare them with the NumPy reference
+//! (tests/test_rust_crate.py: the pools byte for byte, the outputs against its decode).
+//!
+//! Usage: gpu_decode [v_bits] [--save DIR]   (v_bits 2, 3 or 4; default 3)
 //! Exit status: 0 passed, 1 a check or call failed, 2 bad usage, 77 no usable CUDA GPU.
 
 mod cuda;
 mod host;
+mod save;
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use fp8kturbov::{CacheLayout, DecodeParams};
@@ -145,7 +151,11 @@ fn compare(name: &str, batch: &Batch, out_bits: &[u16], inv_sqrt_d: f32, v_bits:
     failures
 }
 
-fn run(v_bits: u32, gpu: &mut cuda::Gpu) -> Result<usize, Box<dyn std::error::Error>> {
+fn run(
+    v_bits: u32,
+    gpu: &mut cuda::Gpu,
+    save_dir: Option<&Path>,
+) -> Result<usize, Box<dyn std::error::Error>> {
     let layout = CacheLayout::new(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, v_bits)?;
     let batch = make_batch(&mut host::Rng::new(0x243F_6A88_85A3_08D3));
     let k_amax = batch.key.iter().fold(0.0f32, |m, k| m.max(k.abs()));
@@ -228,6 +238,7 @@ fn run(v_bits: u32, gpu: &mut cuda::Gpu) -> Result<usize, Box<dyn std::error::Er
     gpu.download(output, &mut out_bits)?;
     let mut failures =
         compare("engine decode, no workspace", &batch, &out_bits, inv_sqrt_d, v_bits);
+    let engine_out_bits = out_bits.clone();
 
     let params = DecodeParams::new()?
         .cache_layout(&layout)
@@ -256,6 +267,41 @@ fn run(v_bits: u32, gpu: &mut cuda::Gpu) -> Result<usize, Box<dyn std::error::Er
     gpu.download(output, &mut out_bits)?;
     let name = format!("generic decode, workspace {workspace_bytes} bytes");
     failures += compare(&name, &batch, &out_bits, inv_sqrt_d, v_bits);
+
+    if let Some(dir) = save_dir {
+        let mut k_pool_bytes = vec![0u8; layout.k_pool_bytes() as usize];
+        let mut v_pool_bytes = vec![0u8; layout.v_pool_bytes() as usize];
+        gpu.download(k_pool, &mut k_pool_bytes)?;
+        gpu.download(v_pool, &mut v_pool_bytes)?;
+        let sizes = [
+            ("v_bits", u64::from(v_bits)),
+            ("num_blocks", NUM_BLOCKS),
+            ("block_size", u64::from(BLOCK_SIZE)),
+            ("num_kv_heads", u64::from(NUM_KV_HEADS)),
+            ("num_q_heads", u64::from(NUM_Q_HEADS)),
+            ("head_dim", u64::from(HEAD_DIM)),
+            ("num_tokens", u64::from(num_tokens)),
+            ("num_seqs", SEQ_LENS.len() as u64),
+            ("max_blocks_per_seq", u64::from(MAX_BLOCKS_PER_SEQ)),
+            ("k_block_stride_bytes", k_page),
+            ("v_block_stride_bytes", v_page),
+            ("v_data_section_bytes", v_data),
+            ("k_scale_bits", u64::from(k_scale.to_bits())),
+            ("inv_sqrt_d_bits", u64::from(inv_sqrt_d.to_bits())),
+        ];
+        save::meta(dir, &sizes)?;
+        save::raw(dir, "key.bf16", &batch.key_bits)?;
+        save::raw(dir, "value.bf16", &batch.value_bits)?;
+        save::raw(dir, "slot_mapping.i64", &batch.slot_mapping)?;
+        save::raw(dir, "block_tables.i32", &batch.block_tables)?;
+        save::raw(dir, "seq_lens.i32", &SEQ_LENS)?;
+        save::raw(dir, "q.bf16", &batch.q_bits)?;
+        save::raw(dir, "k_pool.u8", &k_pool_bytes)?;
+        save::raw(dir, "v_pool.u8", &v_pool_bytes)?;
+        save::raw(dir, "output_engine.bf16", &engine_out_bits)?;
+        save::raw(dir, "output_generic.bf16", &out_bits)?;
+        println!("saved inputs, pools and outputs to {}", dir.display());
+    }
     Ok(failures)
 }
 
@@ -269,15 +315,25 @@ type DecodeLauncher = unsafe fn(
     u64, u64, u64, u64, u64, u64, u32, u32, u32, u32, u32, u32, f32, f32, u32, u64, u64, u32, u64,
 ) -> fp8kturbov::Result<()>;
 
+/// `[v_bits] [--save DIR]`, or None on anything else.
+fn parse_args(args: &[String]) -> Option<(u32, Option<PathBuf>)> {
+    let (mut v_bits, mut save_dir) = (None, None);
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--save" if save_dir.is_none() => save_dir = Some(PathBuf::from(args.next()?)),
+            "2" | "3" | "4" if v_bits.is_none() => v_bits = arg.parse().ok(),
+            _ => return None,
+        }
+    }
+    Some((v_bits.unwrap_or(3), save_dir))
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let v_bits = match args.get(1).map(String::as_str) {
-        None => 3,
-        Some(arg @ ("2" | "3" | "4")) if args.len() == 2 => arg.parse().unwrap(),
-        Some(_) => {
-            eprintln!("usage: {} [v_bits]   (v_bits: 2, 3 or 4; default 3)", args[0]);
-            return ExitCode::from(2);
-        }
+    let Some((v_bits, save_dir)) = parse_args(&args[1..]) else {
+        eprintln!("usage: {} [v_bits] [--save DIR]   (v_bits: 2, 3 or 4; default 3)", args[0]);
+        return ExitCode::from(2);
     };
     println!(
         "fp8kturbov {} (ABI {}), crate built for ABI {}",
@@ -300,7 +356,7 @@ fn main() -> ExitCode {
         "{NUM_Q_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, \
          block_size {BLOCK_SIZE}, V bits {v_bits}"
     );
-    match run(v_bits, &mut gpu) {
+    match run(v_bits, &mut gpu, save_dir.as_deref()) {
         Ok(0) => {
             println!("PASSED");
             ExitCode::SUCCESS
