@@ -178,7 +178,7 @@ struct DecodePlan {
   uint32_t chunks_per_group;  // CTAs per KV head: ceil(max_q_len * group size / 8)
   uint32_t num_splits;        // context splits per sequence (with length_shares: on average)
   int32_t split_tokens;       // positions per split, a multiple of the 16-token tile (without length_shares)
-  // The sequences share the num_seqs * num_splits split slots by length (paged_decode.cuh), each
+  // The sequences share the num_seqs * num_splits split slots by length (decode/schedule.cuh), each
   // dividing its range among its own; else each takes num_splits of split_tokens positions.
   bool length_shares;
   // Partials per split and query head. 1: a CTA's warps read one KV head, and the CTA merges their
