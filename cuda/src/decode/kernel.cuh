@@ -40,9 +40,11 @@
 #include "format.cuh"
 #include "kernel_args.h"
 #include "decode/ptx.cuh"
+#include "decode/query.cuh"
 #include "decode/ranges.cuh"
 #include "decode/schedule.cuh"
 #include "decode/softmax_state.cuh"
+#include "decode/tile_compute.cuh"
 #include "decode/traits.cuh"
 #include "decode/v_codes.cuh"
 
@@ -139,35 +141,8 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
     return kv_head * group_size + (EXTENDED ? uint32_t(first_column + c) % group_size : uint32_t(first_column + c));
   };
 
-  // Query chunk to fp16, scaled by a power of two so that its largest finite magnitude fits
-  // fp16's range; the factor is undone in the score scale (exact). Non-finite elements do not
-  // take part, so an Inf or NaN stays in its own head (RELIABILITY.md §4.3).
-  // q_at(i): element i = c·HEAD_DIM + d of the chunk, column c, dimension d; with head groups
-  // element (k·num_columns + c)·HEAD_DIM + d is column c of the group's k-th KV head, held in q_s
-  // row k·kHeadsPerCta + c. Returns the gain.
   auto load_query = [&](auto q_at) {
-    float q_absmax = 0.0f;
-    for (int i = tid; i < L::kKvHeads * num_columns * HEAD_DIM; i += kDecodeThreads) {
-      const float magnitude = fabsf(__bfloat162float(__ushort_as_bfloat16(q_at(i))));
-      if (magnitude <= FLT_MAX) q_absmax = fmaxf(q_absmax, magnitude);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) q_absmax = fmaxf(q_absmax, __shfl_xor_sync(0xffffffffu, q_absmax, o));
-    if (lane == 0) q_absmax_s[warp] = q_absmax;
-    __syncthreads();
-    q_absmax = fmaxf(fmaxf(q_absmax_s[0], q_absmax_s[1]), fmaxf(q_absmax_s[2], q_absmax_s[3]));
-    int q_exp = 0;
-    if (q_absmax > 0.0f) frexpf(q_absmax, &q_exp);  // q_absmax < 2^q_exp
-    q_exp = max(q_exp, 15 - 127);  // the gain stays a finite float even for subnormal queries
-    const float gain = ldexpf(1.0f, 15 - q_exp);
-    for (int i = tid; i < L::kQRows * HEAD_DIM; i += kDecodeThreads) {
-      const int h = i / HEAD_DIM;
-      const int column = GROUPED ? h % kHeadsPerCta : h;
-      const int element = GROUPED ? (h / kHeadsPerCta * num_columns + column) * HEAD_DIM + i % HEAD_DIM : i;
-      const float v = column < num_columns ? __bfloat162float(__ushort_as_bfloat16(q_at(element))) : 0.0f;
-      q_s[h][i % HEAD_DIM] = __float2half_rn(v * gain);
-    }
-    return gain;
+    return load_query_chunk<HEAD_DIM, L::kKvHeads, L::kQRows, GROUPED>(q_at, q_s, q_absmax_s, num_columns, tid, lane, warp);
   };
   // One query token: the chunk's heads are consecutive in its q row (with head groups, whose KV
   // heads have one chunk each, the group's heads too), so the loads are one strided stream that
@@ -454,18 +429,11 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
         column_begin[c] = window_start(a, column_stop[c]);
       }
     }
-    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t). The
-    // reference maximum that the weights and sums are relative to is the maximum of the scores seen
-    // when it last moved, which it does only when a score exceeds it by more than
-    // kRescaleSlackLog2 (lazy rescaling). Weights stay <= 2^kRescaleSlackLog2, well inside fp16,
-    // and a tile whose scores stay under the reference skips the max reduction and the rescale.
-    // It is held as the two values that each tile reads, set only when it moves: run_reference (0
-    // while the column has seen nothing, so that a masked row's weight is 2^-inf = 0) and
-    // run_limit (reference + slack; -inf while the column has seen nothing).
-    constexpr float kRescaleSlackLog2 = 8.0f;
+    // Online-softmax state for heads 2t and 2t+1 (identical in the 8 lanes sharing t), lazily rescaled
+    // (softmax_state.cuh).
     float run_reference[2] = {0.0f, 0.0f};
     float run_limit[2] = {-INFINITY, -INFINITY};
-    auto reference_max = [&](int c) { return run_limit[c] == -INFINITY ? -INFINITY : run_reference[c]; };
+    auto reference_max = [&](int c) { return running_max(run_reference[c], run_limit[c]); };
     float run_denom[2] = {0.0f, 0.0f};  // this lane's tokens only; reduced at the end
     float acc[S::kMTiles][4];
   #pragma unroll
@@ -591,25 +559,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
       bool exceeds = false;
   #pragma unroll
       for (int r = 0; r < 4; ++r) exceeds = exceeds || masked_s[r] > run_limit[r % 2];
-      if (__any_sync(0xffffffffu, exceeds)) {
-        float alpha[2];
-  #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float tile_max = fmaxf(masked_s[c], masked_s[2 + c]);
-  #pragma unroll
-          for (int o = 4; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-          const float old_max = reference_max(c);
-          const float new_max = fmaxf(old_max, tile_max);
-          alpha[c] = new_max == -INFINITY ? 1.0f : exp2_fast(old_max - new_max);
-          run_reference[c] = new_max == -INFINITY ? 0.0f : new_max;
-          run_limit[c] = new_max + kRescaleSlackLog2;
-          run_denom[c] *= alpha[c];
-        }
-  #pragma unroll
-        for (int i = 0; i < S::kMTiles; ++i) {
-          acc[i][0] *= alpha[0]; acc[i][1] *= alpha[1]; acc[i][2] *= alpha[0]; acc[i][3] *= alpha[1];
-        }
-      }
+      if (__any_sync(0xffffffffu, exceeds)) raise_reference_max(masked_s, run_reference, run_limit, run_denom, acc);
       // Weights relative to the reference maxima; a masked row (-inf) gets 2^-inf = 0, also while a
       // column has seen nothing.
       float p[4];
@@ -638,50 +588,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
           if (2 * t + c < num_columns) all_small = all_small && p[c] <= a.sparse_v_threshold && p[2 + c] <= a.sparse_v_threshold;
         skip = __all_sync(0xffffffffu, all_small);
       }
-      if (!skip) {
-        // P^T as the B operand: mma rows (2t, 2t+1) and (2t+8, 2t+9) of head g.
-        const uint32_t pb0 = transpose_8x8(p_lo);
-        const uint32_t pb1 = transpose_8x8(p_hi);
-        // This thread's codes and scales of the tokens of mma rows 2t, 2t+1, 2t+8, 2t+9;
-        // scales as fp16 pairs of rows (2t, 2t+1) and (2t+8, 2t+9).
-        uint32_t codes[4][CodeChunk<S::kCodeBytes>::kWords];
-        uint32_t scale_bytes[4];
-  #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int row = v_row_first + Rows::v_row_offset(j);
-          read_code_bytes<S::kCodeBytes>(stage.codes + row * S::kCodeRowBytes, g * S::kCodeBytes, codes[j]);
-          scale_bytes[j] = stage.scales[row * S::kScaleRowPitch + g * S::kThreadDims / kGroupElems];
-        }
-        const uint32_t scale_pair[2] = {e4m3x2_to_half2_bits(scale_bytes[0] | (scale_bytes[1] << 8)),
-                                        e4m3x2_to_half2_bits(scale_bytes[2] | (scale_bytes[3] << 8))};
-        // Pair-index words of mma rows (2t, 2t+1) and (2t+8, 2t+9): [pair][chunk][even/odd].
-        using P = CodePairs<BITS>;
-        constexpr int kChunks = (S::kThreadDims + P::kCodesPerChunk - 1) / P::kCodesPerChunk;
-        uint32_t pairs[2][kChunks][2];
-  #pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {
-  #pragma unroll
-          for (int c = 0; c < kChunks; ++c)
-            pair_words<BITS>(code_chunk<BITS>(codes[2 * pair], c), code_chunk<BITS>(codes[2 * pair + 1], c), pairs[pair][c]);
-        }
-        const uint8_t* level_pairs = reinterpret_cast<const uint8_t*>(level_pair_s);
-        const uint32_t lane_copy = 4 * (lane % LevelPairs::kCopies);  // byte offset of this lane's copy
-  #pragma unroll
-        for (int i = 0; i < S::kMTiles; ++i) {
-          uint32_t a_frag[4];
-  #pragma unroll
-          for (int r = 0; r < 4; ++r) {  // (d 2i, tokens 2t..), (d 2i+1, ..), (d 2i, 2t+8..), (d 2i+1, ..)
-            const int e = 2 * i + (r & 1);
-            const int pair = r >> 1;
-            const int local = e % P::kCodesPerChunk;
-            const uint32_t offset = pair_offset<BITS, HEAD_DIM>(pairs[pair][e / P::kCodesPerChunk][local % 2], local / 2) | lane_copy;
-            const __half2 levels = *reinterpret_cast<const __half2*>(level_pairs + offset);
-            const __half2 v = __hmul2(levels, *reinterpret_cast<const __half2*>(&scale_pair[pair]));
-            a_frag[r] = *reinterpret_cast<const uint32_t*>(&v);
-          }
-          mma_16x8x16(acc[i], a_frag, pb0, pb1);
-        }
-      }
+      if (!skip) accumulate_values<BITS, HEAD_DIM>(acc, stage.codes, stage.scales, level_pair_s, v_row_first, lane, p_lo, p_hi);
       slot = slot_after(slot, 1);
       if (slot == 0) filled_parity ^= 1;
     }
@@ -743,8 +650,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
       float l = 0.0f;
   #pragma unroll
       for (int st = 0; st < S::kStreams; ++st) {
-        // With m = -inf no stream has a finite score: its sums are 0 (no positions) or NaN.
-        const float w = m == -INFINITY ? 1.0f : exp2f(max_s[st][h] - m);
+        const float w = partial_weight(max_s[st][h], m);
         stream_weight_s[st][h] = w;
         l += w * denom_s[st][h];
       }

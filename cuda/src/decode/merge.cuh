@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(HEAD_DIM) merge_splits_kernel(const DecodeArgs
   float l = 0.0f;
   for (int s = tid; s < num_partials; s += HEAD_DIM) {
     const float* part = parts + s * (HEAD_DIM + 2);
-    const float w = m == -INFINITY ? 1.0f : exp2f(part[HEAD_DIM] - m);  // as in the stream merge
+    const float w = partial_weight(part[HEAD_DIM], m);
     weight_s[s] = w;
     l += w * part[HEAD_DIM + 1];
   }
