@@ -14,6 +14,8 @@
 
 namespace fp8kturbov {
 
+constexpr int kDecodeMaxCachedDevices = 64;  // devices whose decode facts (occupancy, code version) are cached
+
 // A positive value per device that the runtime is asked once (get: 0 where not asked yet, or for a
 // device beyond the cache, which is then asked every time).
 class PerDeviceCache {
