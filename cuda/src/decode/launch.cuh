@@ -19,11 +19,10 @@ struct DecodeInstance {
 };
 
 // The decode kernel instance for a pool layout (wide_code_copy: the shape's widest code copy, else
-// 4 bytes), EXTENDED, GROUPED and SHARES. Head groups are built for some shapes only, and for the
-// default decode only; the extended instance has no SHARES twin.
-template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED = false, bool SHARES = false>
+// 4 bytes) and a variant (DecodeVariant).
+template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED, bool SHARES>
 DecodeInstance decode_instance(bool wide_code_copy) {
-  if constexpr ((GROUPED && (EXTENDED || !decode_head_groups_built(BITS, HEAD_DIM))) || (SHARES && EXTENDED)) {
+  if constexpr (GROUPED && !decode_head_groups_built(BITS, HEAD_DIM)) {
     return {nullptr, 0};
   } else {
     constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
@@ -35,21 +34,59 @@ DecodeInstance decode_instance(bool wide_code_copy) {
   }
 }
 
+// The variants a launch needs, from its arguments and plan: EXTENDED (several query tokens or rotated
+// V), GROUPED (head groups, DecodePlan::stream_partials > 1: the planner allows them for the default
+// decode only) and SHARES (DecodePlan::length_shares; the extended instance follows the plan's flag).
+struct DecodeVariant {
+  bool extended;
+  bool grouped;
+  bool shares;
+};
+inline DecodeVariant decode_variant(const DecodeArgs& args, const DecodePlan& plan) {
+  const bool extended = args.query_start != nullptr || args.rotated_v;
+  return {extended, !extended && plan.stream_partials > 1, !extended && plan.length_shares};
+}
+
+// The built variants of a (BITS, HEAD_DIM), one row each (the kernel's template flags): adding a
+// variant is a row here and its flag in the kernel. Head groups exist for some shapes only
+// (decode_head_groups_built): their rows give no kernel elsewhere.
+template <int BITS, int HEAD_DIM>
+DecodeInstance decode_instance(const DecodeVariant& variant, bool wide_code_copy) {
+  struct Row {
+    DecodeVariant variant;
+    DecodeInstance (*instance)(bool wide_code_copy);
+  };
+  static constexpr Row kRows[] = {
+      {{false, false, false}, &decode_instance<BITS, HEAD_DIM, false, false, false>},
+      {{false, false, true}, &decode_instance<BITS, HEAD_DIM, false, false, true>},
+      {{false, true, false}, &decode_instance<BITS, HEAD_DIM, false, true, false>},
+      {{false, true, true}, &decode_instance<BITS, HEAD_DIM, false, true, true>},
+      {{true, false, false}, &decode_instance<BITS, HEAD_DIM, true, false, false>},
+  };
+  for (const Row& row : kRows)
+    if (row.variant.extended == variant.extended && row.variant.grouped == variant.grouped &&
+        row.variant.shares == variant.shares)
+      return row.instance(wide_code_copy);
+  return {nullptr, 0};
+}
+
+// The merge kernel of a variant: EXTENDED and SHARES as the decode's (head groups need no instance
+// of their own).
+template <int HEAD_DIM>
+const void* merge_instance(const DecodeVariant& variant) {
+  return variant.extended ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true, false>)
+         : variant.shares ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false, true>)
+                          : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false, false>);
+}
+
 // CTAs per cluster of a decode launch on sm_90 (launch_paged_decode).
 constexpr unsigned kDecodeClusterCtas = 4;
 
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, cudaStream_t stream) {
-  const bool extended = args.query_start != nullptr || args.rotated_v;
+  const DecodeVariant variant = decode_variant(args, plan);
   const bool wide_code_copy = args.v_code_copy_bytes >= DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
-  // Head groups (stream_partials > 1): the planner allows them for the default decode only.
-  const bool grouped = plan.stream_partials > 1, shares = plan.length_shares && !extended;
-  const auto [kernel, smem_bytes] =
-      extended            ? decode_instance<BITS, HEAD_DIM, true>(wide_code_copy)
-      : grouped && shares ? decode_instance<BITS, HEAD_DIM, false, true, true>(wide_code_copy)
-      : grouped           ? decode_instance<BITS, HEAD_DIM, false, true>(wide_code_copy)
-      : shares            ? decode_instance<BITS, HEAD_DIM, false, false, true>(wide_code_copy)
-                          : decode_instance<BITS, HEAD_DIM, false>(wide_code_copy);
+  const auto [kernel, smem_bytes] = decode_instance<BITS, HEAD_DIM>(variant, wide_code_copy);
   // Set on every launch: the attribute belongs to the current device's copy of the kernel. It is
   // not a stream operation, so launches stay capturable.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
@@ -85,9 +122,7 @@ cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan, 
   }
   err = cudaLaunchKernelExC(&config, kernel, params);
   if (err != cudaSuccess || decode_partials(plan) == 1) return err;
-  const void* merge = extended ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, true, false>)
-                      : shares   ? reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false, true>)
-                                 : reinterpret_cast<const void*>(&merge_splits_kernel<HEAD_DIM, false, false>);
+  const void* merge = merge_instance<HEAD_DIM>(variant);
   cudaLaunchConfig_t merge_config{};
   merge_config.gridDim = dim3(args.num_seqs * args.max_q_len * args.num_q_heads);
   merge_config.blockDim = dim3(HEAD_DIM);
@@ -114,7 +149,7 @@ cudaError_t decode_ctas_per_sm(int device, bool head_groups, int* count) {
   // memory size, and its twin for split shares as many CTAs per SM (decode_min_ctas_per_sm); the
   // head groups' hold more query rows.
   const auto [kernel, smem_bytes] =
-      head_groups ? decode_instance<BITS, HEAD_DIM, false, true>(true) : decode_instance<BITS, HEAD_DIM, false>(true);
+      decode_instance<BITS, HEAD_DIM>(DecodeVariant{false, head_groups, false}, true);
   if (kernel == nullptr) {  // head groups not built for this shape
     *count = 0;
     return cudaSuccess;
