@@ -156,6 +156,23 @@ fp8kturbov_status_t check_v_rotation(const char* entry, uint32_t v_rotation, uin
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
+// The fields that the write's and the dequantize's Args share, from their params (validated).
+template <typename Args, typename Params>
+void fill_token_rows(Args* args, const Params& p, uint64_t row_elems, const IndexCheck& index_check) {
+  args->k_cache = static_cast<decltype(args->k_cache)>(p.k_cache);
+  args->v_cache = static_cast<decltype(args->v_cache)>(p.v_cache);
+  args->slot_mapping = p.slot_mapping;
+  args->num_tokens = p.num_tokens;
+  args->row_elems = uint32_t(row_elems);
+  args->block_size = p.block_size;
+  args->key_stride = p.key_stride;
+  args->value_stride = p.value_stride;
+  args->k_block_stride_bytes = p.k_block_stride_bytes;
+  args->v_block_stride_bytes = p.v_block_stride_bytes;
+  args->v_data_section_bytes = p.v_data_section_bytes;
+  args->index_check = index_check;
+}
+
 }  // namespace
 
 fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_t& p,
@@ -181,24 +198,13 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
-  WriteArgs args{};  // filled by field name below
+  WriteArgs args{};  // filled by field name
+  fill_token_rows(&args, p, row_elems, index_check);
   args.key = static_cast<const uint16_t*>(p.key);
   args.value = static_cast<const uint16_t*>(p.value);
-  args.k_cache = static_cast<uint8_t*>(p.k_cache);
-  args.v_cache = static_cast<uint8_t*>(p.v_cache);
-  args.slot_mapping = p.slot_mapping;
-  args.num_tokens = p.num_tokens;
-  args.row_elems = uint32_t(row_elems);
-  args.block_size = p.block_size;
-  args.key_stride = p.key_stride;
-  args.value_stride = p.value_stride;
   args.key_vector_loads = allows_vector_access(p.key, p.key_stride);
   args.value_vector_loads = allows_vector_access(p.value, p.value_stride);
   args.k_inv_scale = 1.0f / p.k_scale;
-  args.k_block_stride_bytes = p.k_block_stride_bytes;
-  args.v_block_stride_bytes = p.v_block_stride_bytes;
-  args.v_data_section_bytes = p.v_data_section_bytes;
-  args.index_check = index_check;
   args.mse_encoder = p.v_encoder == FP8KTURBOV_V_ENCODER_MSE;
   args.rotation_head_dim = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD ? p.head_dim : 0u;
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
@@ -221,24 +227,13 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
-  DequantizeArgs args{};  // filled by field name below
-  args.k_cache = static_cast<const uint8_t*>(p.k_cache);
-  args.v_cache = static_cast<const uint8_t*>(p.v_cache);
-  args.slot_mapping = p.slot_mapping;
+  DequantizeArgs args{};  // filled by field name
+  fill_token_rows(&args, p, row_elems, index_check);
   args.key = static_cast<uint16_t*>(p.key);
   args.value = static_cast<uint16_t*>(p.value);
-  args.num_tokens = p.num_tokens;
-  args.row_elems = uint32_t(row_elems);
-  args.block_size = p.block_size;
-  args.key_stride = p.key_stride;
-  args.value_stride = p.value_stride;
   args.key_vector_stores = allows_vector_access(p.key, p.key_stride);
   args.value_vector_stores = allows_vector_access(p.value, p.value_stride);
   args.k_scale = p.k_scale;
-  args.k_block_stride_bytes = p.k_block_stride_bytes;
-  args.v_block_stride_bytes = p.v_block_stride_bytes;
-  args.v_data_section_bytes = p.v_data_section_bytes;
-  args.index_check = index_check;
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_dequantize<decltype(bits)::value>(args, stream);
   });
@@ -425,7 +420,7 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   const FastDivider divider = fast_divider(p.block_size);
   const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
 
-  DecodeArgs args{};  // filled by field name below
+  DecodeArgs args{};  // filled by field name
   args.q = static_cast<const uint16_t*>(p.q);
   args.k_cache = static_cast<const uint8_t*>(p.k_cache);
   args.v_cache = static_cast<const uint8_t*>(p.v_cache);
