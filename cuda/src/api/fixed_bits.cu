@@ -1,6 +1,6 @@
 // The original engine's six launchers, argument for argument: each fills a parameter struct
 // (packed K pages, sparse-V threshold 1e-3 from the defaults) and runs the generic entry point.
-#include "entry_points.h"
+#include "api/entry_points.h"
 
 using fp8kturbov::decode_impl;
 using fp8kturbov::write_impl;

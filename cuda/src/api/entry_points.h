@@ -10,6 +10,8 @@ namespace fp8kturbov {
 
 fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_t& params,
                                cudaStream_t stream);
+fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequantize_params_t& params,
+                                    cudaStream_t stream);
 fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_params_t& params,
                                 cudaStream_t stream);
 fp8kturbov_status_t decode_workspace_impl(const char* entry,

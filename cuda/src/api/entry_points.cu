@@ -1,8 +1,8 @@
-// The C entry points: check the struct size, validate every scalar, dispatch, launch, report.
-// Nothing here allocates, synchronises or reads the runtime's sticky error state.
+// The entry points' implementations (api/entry_points.h): validate every scalar and pointer once,
+// plan (the decode), launch, report. Nothing here allocates, synchronises or reads the runtime's
+// sticky error state.
 #include <cinttypes>
 #include <cmath>
-#include <cstdarg>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
@@ -12,34 +12,13 @@
 
 #include "fp8kturbov.h"
 #include "format.cuh"
-#include "entry_points.h"
 #include "kernel_args.h"
+#include "api/entry_points.h"
+#include "api/errors.h"
+#include "plan/decode_plan.h"
 
 namespace fp8kturbov {
 namespace {
-
-thread_local char g_last_error[512];
-
-// Records the detail message of the failing call and returns its status.
-fp8kturbov_status_t fail(fp8kturbov_status_t status, const char* entry, const char* fmt, ...) {
-  int used = std::snprintf(g_last_error, sizeof g_last_error, "%s: ", entry);
-  if (used < 0) used = 0;
-  va_list args;
-  va_start(args, fmt);
-  std::vsnprintf(g_last_error + used, sizeof g_last_error - used, fmt, args);
-  va_end(args);
-  return status;
-}
-
-fp8kturbov_status_t report_cuda(cudaError_t err, const char* entry, const char* what) {
-  if (err == cudaSuccess) return FP8KTURBOV_STATUS_SUCCESS;
-  return fail(FP8KTURBOV_STATUS_CUDA_ERROR, entry, "%s failed: %s (%s)", what,
-              cudaGetErrorName(err), cudaGetErrorString(err));
-}
-
-fp8kturbov_status_t report_launch(cudaError_t err, const char* entry) {
-  return report_cuda(err, entry, "kernel launch");
-}
 
 bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 bool is_aligned2(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 1u) == 0; }
@@ -97,88 +76,6 @@ fp8kturbov_status_t check_k_scale(const char* entry, float k_scale) {
                 "k_scale = %g must be finite and positive", double(k_scale));
   return FP8KTURBOV_STATUS_SUCCESS;
 }
-
-#define FP8KTURBOV_CHECK(expr)                                \
-  do {                                                        \
-    const fp8kturbov_status_t status_ = (expr);               \
-    if (status_ != FP8KTURBOV_STATUS_SUCCESS) return status_; \
-  } while (0)
-
-#define FP8KTURBOV_REQUIRE_POINTER(field)                                                   \
-  do {                                                                                      \
-    if (p.field == nullptr)                                                                 \
-      return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "%s is NULL", #field);              \
-  } while (0)
-
-// A params struct size this library knows (`what` names it in the error): this header's, or that of
-// an earlier version of the struct (`versions`, oldest first).
-template <typename Params, size_t VERSIONS>
-fp8kturbov_status_t check_struct_size(const char* entry, const char* what, size_t given,
-                                      const size_t (&versions)[VERSIONS]) {
-  bool known = given == sizeof(Params);
-  char sizes[96];
-  int used = 0;
-  for (size_t v = 0; v < VERSIONS; ++v) {
-    known = known || given == versions[v];
-    used += std::snprintf(sizes + used, sizeof sizes - used, "%zu (version %zu), ", versions[v], v + 1);
-  }
-  if (!known)
-    return fail(FP8KTURBOV_STATUS_BAD_STRUCT_SIZE, entry,
-                "%s = %zu, this library knows %s%zu", what, given, sizes, sizeof(Params));
-  return FP8KTURBOV_STATUS_SUCCESS;
-}
-
-// The caller's params struct as this library's; the fields a smaller (earlier) struct lacks read
-// as 0.
-template <typename Params, size_t VERSIONS>
-fp8kturbov_status_t read_params(const char* entry, const Params* params,
-                                const size_t (&versions)[VERSIONS], Params* out) {
-  if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
-  FP8KTURBOV_CHECK(check_struct_size<Params>(entry, "params->struct_size", params->struct_size, versions));
-  *out = Params{};
-  std::memcpy(out, params, params->struct_size);
-  return FP8KTURBOV_STATUS_SUCCESS;
-}
-
-// The defaults of a params struct (every default lies in the first version of the struct, so a
-// prefix of it is the defaults of that version).
-void set_defaults(fp8kturbov_write_params_t* p) { p->v_bits = FP8KTURBOV_DEFAULT_V_BITS; }
-void set_defaults(fp8kturbov_dequantize_params_t* p) { p->v_bits = FP8KTURBOV_DEFAULT_V_BITS; }
-void set_defaults(fp8kturbov_decode_params_t* p) {
-  p->v_bits = FP8KTURBOV_DEFAULT_V_BITS;
-  p->sparse_v_threshold = FP8KTURBOV_DEFAULT_SPARSE_V_THRESHOLD;
-}
-
-// *_params_init_sized: the defaults of the struct version of `size` bytes, written over exactly
-// `size` bytes of *params.
-template <typename Params, size_t VERSIONS>
-fp8kturbov_status_t init_params(const char* entry, Params* params, size_t size,
-                                const size_t (&versions)[VERSIONS]) {
-  if (params == nullptr) return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "params is NULL");
-  FP8KTURBOV_CHECK(check_struct_size<Params>(entry, "struct_size", size, versions));
-  Params defaults{};
-  set_defaults(&defaults);
-  defaults.struct_size = size;
-  std::memcpy(params, &defaults, size);
-  return FP8KTURBOV_STATUS_SUCCESS;
-}
-constexpr size_t kWriteParamsVersions[] = {FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8KTURBOV_WRITE_PARAMS_V2_SIZE};
-constexpr size_t kDequantizeParamsVersions[] = {FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE};
-constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE, FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
-                                             FP8KTURBOV_DECODE_PARAMS_V3_SIZE};
-static_assert(offsetof(fp8kturbov_write_params_t, num_blocks) == FP8KTURBOV_WRITE_PARAMS_V1_SIZE,
-              "the version-1 write struct ends where the checked-mode fields begin");
-static_assert(offsetof(fp8kturbov_write_params_t, v_encoder) == FP8KTURBOV_WRITE_PARAMS_V2_SIZE,
-              "the version-2 write struct ends where v_encoder begins");
-static_assert(offsetof(fp8kturbov_dequantize_params_t, num_blocks) == FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE,
-              "the version-1 dequantize struct ends where the checked-mode fields begin");
-static_assert(offsetof(fp8kturbov_decode_params_t, num_blocks) == FP8KTURBOV_DECODE_PARAMS_V1_SIZE,
-              "the version-1 decode struct ends where the checked-mode fields begin");
-static_assert(offsetof(fp8kturbov_decode_params_t, sinks) == FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
-              "the version-2 decode struct ends where sinks begins");
-static_assert(offsetof(fp8kturbov_decode_params_t, block_tables_stride) == FP8KTURBOV_DECODE_PARAMS_V3_SIZE &&
-                  sizeof(fp8kturbov_decode_params_t) > FP8KTURBOV_DECODE_PARAMS_V3_SIZE,
-              "the version-3 decode struct ends where block_tables_stride begins");
 
 // The kernels' IndexCheck from the checked-mode fields. Checked mode (num_blocks > 0) needs the
 // device word it reports to; called where the entry's other pointers are checked.
@@ -259,6 +156,23 @@ fp8kturbov_status_t check_v_rotation(const char* entry, uint32_t v_rotation, uin
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
+// The fields that the write's and the dequantize's Args share, from their params (validated).
+template <typename Args, typename Params>
+void fill_token_rows(Args* args, const Params& p, uint64_t row_elems, const IndexCheck& index_check) {
+  args->k_cache = static_cast<decltype(args->k_cache)>(p.k_cache);
+  args->v_cache = static_cast<decltype(args->v_cache)>(p.v_cache);
+  args->slot_mapping = p.slot_mapping;
+  args->num_tokens = p.num_tokens;
+  args->row_elems = uint32_t(row_elems);
+  args->block_size = p.block_size;
+  args->key_stride = p.key_stride;
+  args->value_stride = p.value_stride;
+  args->k_block_stride_bytes = p.k_block_stride_bytes;
+  args->v_block_stride_bytes = p.v_block_stride_bytes;
+  args->v_data_section_bytes = p.v_data_section_bytes;
+  args->index_check = index_check;
+}
+
 }  // namespace
 
 fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_t& p,
@@ -284,31 +198,19 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
-  const WriteArgs args{static_cast<const uint16_t*>(p.key),
-                       static_cast<const uint16_t*>(p.value),
-                       static_cast<uint8_t*>(p.k_cache),
-                       static_cast<uint8_t*>(p.v_cache),
-                       p.slot_mapping,
-                       p.num_tokens,
-                       uint32_t(row_elems),
-                       p.block_size,
-                       p.key_stride,
-                       p.value_stride,
-                       allows_vector_access(p.key, p.key_stride),
-                       allows_vector_access(p.value, p.value_stride),
-                       1.0f / p.k_scale,
-                       p.k_block_stride_bytes,
-                       p.v_block_stride_bytes,
-                       p.v_data_section_bytes,
-                       index_check,
-                       p.v_encoder == FP8KTURBOV_V_ENCODER_MSE,
-                       p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD ? p.head_dim : 0u};
+  WriteArgs args{};  // filled by field name
+  fill_token_rows(&args, p, row_elems, index_check);
+  args.key = static_cast<const uint16_t*>(p.key);
+  args.value = static_cast<const uint16_t*>(p.value);
+  args.key_vector_loads = allows_vector_access(p.key, p.key_stride);
+  args.value_vector_loads = allows_vector_access(p.value, p.value_stride);
+  args.k_inv_scale = 1.0f / p.k_scale;
+  args.mse_encoder = p.v_encoder == FP8KTURBOV_V_ENCODER_MSE;
+  args.rotation_head_dim = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD ? p.head_dim : 0u;
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_reshape_and_cache<decltype(bits)::value>(args, stream);
   });
 }
-
-namespace {
 
 fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequantize_params_t& p,
                                     cudaStream_t stream) {
@@ -325,29 +227,17 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
-  const DequantizeArgs args{static_cast<const uint8_t*>(p.k_cache),
-                            static_cast<const uint8_t*>(p.v_cache),
-                            p.slot_mapping,
-                            static_cast<uint16_t*>(p.key),
-                            static_cast<uint16_t*>(p.value),
-                            p.num_tokens,
-                            uint32_t(row_elems),
-                            p.block_size,
-                            p.key_stride,
-                            p.value_stride,
-                            allows_vector_access(p.key, p.key_stride),
-                            allows_vector_access(p.value, p.value_stride),
-                            p.k_scale,
-                            p.k_block_stride_bytes,
-                            p.v_block_stride_bytes,
-                            p.v_data_section_bytes,
-                            index_check};
+  DequantizeArgs args{};  // filled by field name
+  fill_token_rows(&args, p, row_elems, index_check);
+  args.key = static_cast<uint16_t*>(p.key);
+  args.value = static_cast<uint16_t*>(p.value);
+  args.key_vector_stores = allows_vector_access(p.key, p.key_stride);
+  args.value_vector_stores = allows_vector_access(p.value, p.value_stride);
+  args.k_scale = p.k_scale;
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_dequantize<decltype(bits)::value>(args, stream);
   });
 }
-
-}  // namespace
 
 namespace {
 
@@ -362,8 +252,6 @@ cudaError_t dispatch_decode(uint32_t bits, uint32_t head_dim, const DecodeArgs& 
   return cudaSuccess;
 }
 
-// Query rows per sequence the grid and the workspace are sized for: max_q_len, where 0 means 1.
-uint32_t query_rows_per_seq(const fp8kturbov_decode_params_t& p) { return std::max(p.max_q_len, 1u); }
 
 // Every scalar rule of a decode; also resolves the K page stride (0 = packed).
 fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_params_t& p,
@@ -451,94 +339,6 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
-// The split plan. The CTAs of a decode run in waves of multiprocessors * ctas_per_sm, and a CTA
-// lasts as long as its busiest token stream (decode_streams_per_cta): a split of 33 tiles over 4
-// streams runs 9, 8, 8 and 8 tiles, as long as one of 36. So the plan takes the split count with
-// the fewest tile times, waves × tiles per stream (the fewest splits of equal ones), with splits
-// cut into whole tiles per stream, each at least kDecodeMinSplitTiles tiles long, and no split
-// unless the workspace holds the partials. Then head groups (DecodePlan::stream_partials) where
-// they are allowed and the token streams are long. A pure function of the shape, the device and
-// the workspace size.
-constexpr uint64_t kDecodeMaxWaves = 8;  // splits add CTAs up to this many waves at most
-
-uint64_t tiles_per_sequence(const fp8kturbov_decode_params_t& p) {
-  const uint64_t table_positions = uint64_t(p.max_blocks_per_seq) * p.block_size;
-  // The query tokens of a sequence attend windows that end at consecutive positions.
-  const uint64_t window_span = uint64_t(p.sliding_window) + query_rows_per_seq(p) - 1;
-  const uint64_t span = p.sliding_window > 0 && window_span < table_positions ? window_span : table_positions;
-  // Tiles sit on multiples of 16 positions: an unaligned window start adds at most one tile.
-  const uint64_t unaligned_start = p.sliding_window > 0 ? kDecodeTileTokens - 1 : 0;
-  return (span + unaligned_start + kDecodeTileTokens - 1) / kDecodeTileTokens;
-}
-
-// The device facts a plan depends on.
-struct DecodeDevice {
-  int multiprocessors = 0;
-  int ctas_per_sm = 0;             // of the default kernel
-  int head_group_ctas_per_sm = 0;  // of the head-group kernel, 0 where not built
-};
-
-// Head groups need the default decode (one query token, unrotated V), one CTA per KV head (a
-// group of at most kDecodeHeadsPerCta query heads), whole groups of KV heads, and a kernel instance
-// that fits as many CTAs per multiprocessor as the default one (the plan's waves assume it).
-bool head_groups_allowed(const fp8kturbov_decode_params_t& p, const DecodePlan& plan, bool same_occupancy) {
-  return decode_head_groups_built(int(p.v_bits), int(p.head_dim)) && same_occupancy && p.query_start == nullptr &&
-         p.v_rotation == FP8KTURBOV_V_ROTATION_NONE && plan.chunks_per_group == 1 &&
-         p.num_kv_heads % kDecodeWarps == 0;
-}
-
-DecodePlan plan_decode(const fp8kturbov_decode_params_t& p, const DecodeDevice& device, uint64_t workspace_bytes) {
-  DecodePlan plan{};
-  plan.chunks_per_group = decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
-  plan.stream_partials = 1;
-  const uint64_t tiles = tiles_per_sequence(p);
-  const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads * plan.chunks_per_group;
-  const uint64_t slots = uint64_t(std::max(device.multiprocessors, 1)) * std::max(device.ctas_per_sm, 1);
-  const uint64_t max_splits = std::min<uint64_t>({kDecodeMaxSplits, std::max<uint64_t>(1, tiles / kDecodeMinSplitTiles),
-                                                  INT32_MAX / std::max<uint64_t>(base_ctas, 1),
-                                                  (kDecodeMaxWaves * slots + base_ctas - 1) / std::max<uint64_t>(base_ctas, 1)});
-  const uint64_t streams = uint64_t(decode_streams_per_cta(int(p.head_dim)));
-  auto tiles_per_split = [&](uint64_t splits) {  // a multiple of the streams, as long as they are busy
-    return ((tiles + splits - 1) / splits + streams - 1) / streams * streams;
-  };
-  auto realized = [&](uint64_t splits) { return (tiles + tiles_per_split(splits) - 1) / tiles_per_split(splits); };
-  auto tile_times = [&](uint64_t splits) {
-    const uint64_t waves = (base_ctas * realized(splits) + slots - 1) / slots;
-    return waves * (tiles_per_split(splits) / streams);
-  };
-  // For w waves, the most splits that fit in them give the shortest streams: the best candidate
-  // for w. (max_splits holds the CTAs to kDecodeMaxWaves waves.)
-  uint64_t splits = 1;
-  for (uint64_t waves = 1; waves <= kDecodeMaxWaves; ++waves) {
-    const uint64_t candidate = std::min(max_splits, waves * slots / std::max<uint64_t>(base_ctas, 1));
-    if (candidate > 1 && tile_times(candidate) < tile_times(splits)) splits = candidate;
-  }
-  plan.num_splits = uint32_t(realized(splits));
-  plan.split_tokens = int32_t(std::min<uint64_t>(tiles_per_split(splits) * kDecodeTileTokens, INT32_MAX));
-  plan.workspace = static_cast<float*>(p.workspace);
-  if (plan.num_splits > 1 &&
-      decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim) >
-          workspace_bytes) {
-    plan.num_splits = 1;
-    plan.split_tokens = INT32_MAX;
-  }
-  // With several sequences and many long splits, the sequences share the split slots by their lengths.
-  plan.length_shares = p.num_seqs > 1 && plan.num_splits >= kDecodeLengthShareMinSplits &&
-                       uint64_t(plan.split_tokens) / kDecodeTileTokens >= kDecodeLengthShareMinSplitTiles;
-  // Head groups keep the grid, the splits and each warp's token stream; each (KV head, split) then
-  // has a partial per stream.
-  DecodePlan grouped = plan;
-  grouped.stream_partials = uint32_t(streams);
-  const uint64_t stream_tiles =
-      (std::min<uint64_t>(tiles, uint64_t(plan.split_tokens) / kDecodeTileTokens) + streams - 1) / streams;
-  if (head_groups_allowed(p, plan, device.head_group_ctas_per_sm == device.ctas_per_sm) &&
-      stream_tiles >= kDecodeHeadGroupMinStreamTiles && decode_partials(grouped) <= kDecodeMaxSplits &&
-      decode_workspace_bytes(grouped, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim) <=
-          workspace_bytes)
-    plan = grouped;
-  return plan;
-}
-
 // Division of positions (< 2^31) by a runtime divisor with a multiply and a shift: the round-up
 // reciprocal method (Granlund and Montgomery).
 struct FastDivider {
@@ -620,37 +420,37 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   const FastDivider divider = fast_divider(p.block_size);
   const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
 
-  const DecodeArgs args{static_cast<const uint16_t*>(p.q),
-                        static_cast<const uint8_t*>(p.k_cache),
-                        static_cast<const uint8_t*>(p.v_cache),
-                        static_cast<uint16_t*>(p.output),
-                        p.block_tables,
-                        p.seq_lens,
-                        p.max_blocks_per_seq,
-                        p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq,
-                        p.num_seqs,
-                        p.num_q_heads,
-                        p.num_kv_heads,
-                        p.block_size,
-                        divider.multiplier,
-                        divider.shift,
-                        p.inv_sqrt_d * p.k_scale,
-                        p.q_stride,
-                        k_block_stride_bytes,
-                        p.v_block_stride_bytes,
-                        p.v_data_section_bytes,
-                        p.sliding_window,
-                        p.sparse_v_threshold,
-                        decode_v_code_copy_bytes(reinterpret_cast<uintptr_t>(p.v_cache),
-                                                 p.v_block_stride_bytes,
-                                                 v_data_section_bytes(1, row_elems, p.v_bits)),
-                        index_check,
-                        p.sinks,
-                        p.soft_cap,
-                        p.query_start,
-                        p.query_start != nullptr ? query_rows_per_seq(p) : 1u,
-                        p.query_start != nullptr ? p.num_query_rows : p.num_seqs,
-                        p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD};
+  DecodeArgs args{};  // filled by field name
+  args.q = static_cast<const uint16_t*>(p.q);
+  args.k_cache = static_cast<const uint8_t*>(p.k_cache);
+  args.v_cache = static_cast<const uint8_t*>(p.v_cache);
+  args.output = static_cast<uint16_t*>(p.output);
+  args.block_tables = p.block_tables;
+  args.seq_lens = p.seq_lens;
+  args.max_blocks_per_seq = p.max_blocks_per_seq;
+  args.block_tables_stride = p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq;
+  args.num_seqs = p.num_seqs;
+  args.num_q_heads = p.num_q_heads;
+  args.num_kv_heads = p.num_kv_heads;
+  args.block_size = p.block_size;
+  args.block_size_multiplier = divider.multiplier;
+  args.block_size_shift = divider.shift;
+  args.score_scale = p.inv_sqrt_d * p.k_scale;
+  args.q_stride = p.q_stride;
+  args.k_block_stride_bytes = k_block_stride_bytes;
+  args.v_block_stride_bytes = p.v_block_stride_bytes;
+  args.v_data_section_bytes = p.v_data_section_bytes;
+  args.sliding_window = p.sliding_window;
+  args.sparse_v_threshold = p.sparse_v_threshold;
+  args.v_code_copy_bytes = decode_v_code_copy_bytes(reinterpret_cast<uintptr_t>(p.v_cache), p.v_block_stride_bytes,
+                                                    v_data_section_bytes(1, row_elems, p.v_bits));
+  args.index_check = index_check;
+  args.sinks = p.sinks;
+  args.soft_cap = p.soft_cap;
+  args.query_start = p.query_start;
+  args.max_q_len = p.query_start != nullptr ? query_rows_per_seq(p) : 1u;
+  args.num_query_rows = p.query_start != nullptr ? p.num_query_rows : p.num_seqs;
+  args.rotated_v = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD;
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)
@@ -683,116 +483,3 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
 }
 
 }  // namespace fp8kturbov
-
-using namespace fp8kturbov;
-
-extern "C" {
-
-int fp8kturbov_version(void) { return FP8KTURBOV_VERSION; }
-int fp8kturbov_abi_version(void) { return FP8KTURBOV_ABI_VERSION; }
-
-const char* fp8kturbov_status_string(fp8kturbov_status_t status) {
-  switch (status) {
-    case FP8KTURBOV_STATUS_SUCCESS: return "FP8KTURBOV_STATUS_SUCCESS";
-    case FP8KTURBOV_STATUS_INVALID_VALUE: return "FP8KTURBOV_STATUS_INVALID_VALUE";
-    case FP8KTURBOV_STATUS_NULL_POINTER: return "FP8KTURBOV_STATUS_NULL_POINTER";
-    case FP8KTURBOV_STATUS_MISALIGNED: return "FP8KTURBOV_STATUS_MISALIGNED";
-    case FP8KTURBOV_STATUS_NOT_SUPPORTED: return "FP8KTURBOV_STATUS_NOT_SUPPORTED";
-    case FP8KTURBOV_STATUS_BAD_STRUCT_SIZE: return "FP8KTURBOV_STATUS_BAD_STRUCT_SIZE";
-    case FP8KTURBOV_STATUS_CUDA_ERROR: return "FP8KTURBOV_STATUS_CUDA_ERROR";
-  }
-  return "FP8KTURBOV_STATUS_UNKNOWN";
-}
-
-const char* fp8kturbov_last_error_message(void) { return g_last_error; }
-
-fp8kturbov_status_t fp8kturbov_paged_decode_workspace_bytes(const fp8kturbov_decode_params_t* params,
-                                                            uint64_t* workspace_bytes) {
-  const char* entry = "fp8kturbov_paged_decode_workspace_bytes";
-  g_last_error[0] = '\0';
-  fp8kturbov_decode_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, kDecodeParamsVersions, &p));
-  return decode_workspace_impl(entry, p, workspace_bytes);
-}
-
-uint64_t fp8kturbov_k_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim) {
-  // A row of more than 2^32 - 1 elements is refused by every entry point; refusing it here also
-  // keeps every page size below 2^64.
-  if (block_size == 0 || num_kv_heads == 0 || head_dim == 0 || head_dim % kGroupElems != 0 ||
-      uint64_t(num_kv_heads) * head_dim > UINT32_MAX)
-    return 0;
-  return k_page_bytes(block_size, uint64_t(num_kv_heads) * head_dim);
-}
-
-uint64_t fp8kturbov_v_data_section_bytes(uint32_t block_size, uint32_t num_kv_heads,
-                                         uint32_t head_dim, uint32_t bits) {
-  if (!is_supported_v_bits(bits) || fp8kturbov_k_page_bytes(block_size, num_kv_heads, head_dim) == 0)
-    return 0;
-  return v_data_section_bytes(block_size, uint64_t(num_kv_heads) * head_dim, bits);
-}
-
-uint64_t fp8kturbov_v_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim,
-                                 uint32_t bits) {
-  if (fp8kturbov_v_data_section_bytes(block_size, num_kv_heads, head_dim, bits) == 0) return 0;
-  return v_page_bytes(block_size, uint64_t(num_kv_heads) * head_dim, bits);
-}
-
-void fp8kturbov_write_params_init(fp8kturbov_write_params_t* params) {
-  if (params != nullptr)
-    init_params("fp8kturbov_write_params_init", params, sizeof *params, kWriteParamsVersions);
-}
-
-void fp8kturbov_dequantize_params_init(fp8kturbov_dequantize_params_t* params) {
-  if (params != nullptr)
-    init_params("fp8kturbov_dequantize_params_init", params, sizeof *params, kDequantizeParamsVersions);
-}
-
-void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params) {
-  if (params != nullptr)
-    init_params("fp8kturbov_decode_params_init", params, sizeof *params, kDecodeParamsVersions);
-}
-
-// Unlike the other entry points, the *_init_sized functions leave the last-error message alone when
-// they succeed: filling a struct is not an operation whose outcome a later look at the message
-// should report (the Python layer fills one before it range-checks a call's arguments).
-fp8kturbov_status_t fp8kturbov_write_params_init_sized(fp8kturbov_write_params_t* params, size_t struct_size) {
-  return init_params("fp8kturbov_write_params_init_sized", params, struct_size, kWriteParamsVersions);
-}
-
-fp8kturbov_status_t fp8kturbov_dequantize_params_init_sized(fp8kturbov_dequantize_params_t* params,
-                                                            size_t struct_size) {
-  return init_params("fp8kturbov_dequantize_params_init_sized", params, struct_size, kDequantizeParamsVersions);
-}
-
-fp8kturbov_status_t fp8kturbov_decode_params_init_sized(fp8kturbov_decode_params_t* params, size_t struct_size) {
-  return init_params("fp8kturbov_decode_params_init_sized", params, struct_size, kDecodeParamsVersions);
-}
-
-fp8kturbov_status_t fp8kturbov_reshape_and_cache(const fp8kturbov_write_params_t* params,
-                                                 fp8kturbov_stream_t stream) {
-  const char* entry = "fp8kturbov_reshape_and_cache";
-  g_last_error[0] = '\0';
-  fp8kturbov_write_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, kWriteParamsVersions, &p));
-  return write_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
-}
-
-fp8kturbov_status_t fp8kturbov_dequantize(const fp8kturbov_dequantize_params_t* params,
-                                          fp8kturbov_stream_t stream) {
-  const char* entry = "fp8kturbov_dequantize";
-  g_last_error[0] = '\0';
-  fp8kturbov_dequantize_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, kDequantizeParamsVersions, &p));
-  return dequantize_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
-}
-
-fp8kturbov_status_t fp8kturbov_paged_decode_attn(const fp8kturbov_decode_params_t* params,
-                                                 fp8kturbov_stream_t stream) {
-  const char* entry = "fp8kturbov_paged_decode_attn";
-  g_last_error[0] = '\0';
-  fp8kturbov_decode_params_t p;
-  FP8KTURBOV_CHECK(read_params(entry, params, kDecodeParamsVersions, &p));
-  return decode_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
-}
-
-}  // extern "C"
