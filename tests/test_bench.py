@@ -459,7 +459,8 @@ def test_report_lists_energy_per_launch_where_measured():
     decode["peers"]["bf16_sdpa"].update(power_w=401.0, energy_mj=20.05)
     report = bench.report.format_report(rows, DEVICE, config)
     assert "power not measured" not in report
-    assert bench.report.energy_rows(rows) == [("decode", "3", "1x32768", "128", "7.8 (612)", "20.1 (401)", "-", "-")]
+    assert bench.report.energy_rows(rows) == [("decode", "3", "1x32768", "128", "7.8 (612)", "20.1 (401)",
+                                               *["-"] * (len(bench.peers.PEERS) - 1))]
     assert "energy per launch" in report and "7.8 (612)" in report
 
 
@@ -578,7 +579,7 @@ def test_peer_failures_become_statuses(monkeypatch):
     assert bench.peers.run_peer("b", None, D128_3BIT, config, 4000.0)["status"].startswith("skipped:")
 
 
-@pytest.mark.parametrize("name", ["bf16_sdpa", "fp8_sdpa", "fp8_flashinfer"])
+@pytest.mark.parametrize("name", list(fp8kturbov.tools.bench.peers.PEERS))
 def test_missing_peer_module_is_absent(monkeypatch, name):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
     monkeypatch.setitem(sys.modules, "flashinfer", None)
@@ -659,10 +660,11 @@ def test_report_has_the_table_ceiling_floor_and_context():
     lines = report.splitlines()
     assert lines[0].split() == ["op", "bits", "shape", "D", "us", "GB/s", "%", "ceil", "floor",
                                 "us", "read", "us", "in-graph", "us", "bf16", "sdpa", "us", "fp8", "sdpa", "us",
-                                "flashinfer", "fp8", "us", "note"]
+                                "flashinfer", "fp8", "us", "xqa", "fp8", "us", "xqa", "bf16", "us", "vs", "best",
+                                "fp8", "note"]
     decode = next(line for line in lines if "1x32768" in line).split()
     assert decode[:5] == ["decode", "3", "1x32768", "128", "14.50"]
-    assert decode[-5:] == ["12.50", "12.75", "50.00", "30.00", "absent"]
+    assert decode[-8:] == ["12.50", "12.75", "50.00", "30.00", "absent", "-", "-", "-"]
     assert any(line.split()[:3] == ["write", "3", "16"] and line.endswith("L2") for line in lines)
     assert "decode 32x32768 D128 4b: skipped: needs 200.0 GiB, 100.0 GiB free" in lines
     assert "decode 32x32768 D128 bf16_sdpa: skipped: needs 24.0 GiB, 1.0 GiB free" in lines
@@ -871,7 +873,7 @@ def test_peers_run_only_for_one_query_token(monkeypatch):
     monkeypatch.setattr(bench.timing, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([7.0]))
     monkeypatch.setattr(bench.peers, "run_peer", lambda name, dev, shape, config, ceiling, counters=None, power=None:
                         peer_runs.append((name, shape.q_len)) or {"status": "absent"})
-    for q_len, peers_run in [(4, []), (1, [("bf16_sdpa", 1), ("fp8_sdpa", 1), ("fp8_flashinfer", 1)])]:
+    for q_len, peers_run in [(4, []), (1, [(name, 1) for name in bench.peers.PEERS])]:
         peer_runs.clear()
         config = bench.config.Config(ops=("decode",), shapes=((2, 300),), bits=(3,), q_len=q_len)
         (shape,) = bench.config.build_cases(config)
@@ -1132,3 +1134,74 @@ def test_gpu_mixed_lengths_in_wide_table_rows_one_tiny_shape(whole):
     peers = decode["peers"]
     assert peers["bf16_sdpa"]["status"] in ("absent", "skipped: dense K/V hold sequences of one length")
     assert peers["fp8_flashinfer"]["status"] in ("absent", "ok"), peers["fp8_flashinfer"]["status"]
+
+
+def test_the_best_fp8_peer_is_the_fastest_fp8_peer_that_ran():
+    ok = lambda us: {"status": "ok", "median_us": us}  # noqa: E731
+    results = {"bf16_sdpa": ok(5.0), "bf16_xqa": ok(6.0), "fp8_sdpa": ok(90.0), "fp8_flashinfer": ok(40.0),
+               "fp8_xqa": ok(30.0)}
+    assert bench.peers.best_fp8_peer(results) == ("fp8_xqa", 30.0)  # the faster BF16 peers do not count
+    results["fp8_xqa"] = {"status": "error: output differs from float64 attention over its cache"}
+    assert bench.peers.best_fp8_peer(results) == ("fp8_flashinfer", 40.0)
+    assert bench.peers.best_fp8_peer({"bf16_sdpa": ok(5.0), "fp8_xqa": {"status": "absent"}}) is None
+
+
+def test_decode_rows_are_compared_with_the_best_fp8_peer(monkeypatch):
+    monkeypatch.setattr(bench.launches, "encode_chunk", lambda shape, tokens, rng: None)
+    monkeypatch.setattr(bench.launches, "decode_enqueues", lambda dev, shape, config, chunk, rng: [])
+    monkeypatch.setattr(bench.timing, "time_graphs", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([20.0]))
+    monkeypatch.setattr(bench.timing, "time_graph_chain", lambda dev, enqueues, iters, warmup: bench.timing.Timing.of([18.0]))
+    medians = {"bf16_sdpa": 10.0, "fp8_sdpa": 80.0, "fp8_flashinfer": 36.0, "fp8_xqa": 30.0, "bf16_xqa": 12.0}
+    monkeypatch.setattr(bench.peers, "run_peer", lambda name, dev, shape, config, ceiling, counters=None, power=None:
+                        {"status": "ok", "median_us": medians[name], "bytes": 1})
+    config = bench.config.Config(ops=("decode",), shapes=((2, 300),), bits=(3,))
+    (shape,) = bench.config.build_cases(config)
+    result = bench.run._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+    assert (result.best_fp8_peer, result.vs_best_fp8) == ("fp8_xqa", 1.5)
+    row = dataclasses.asdict(result)
+    cells = dict(zip(bench.report.TABLE_COLUMNS, bench.report.table_rows([row])[0]))
+    assert cells["vs best fp8"] == "1.50x" and cells["xqa fp8 us"] == "30.00" and cells["xqa bf16 us"] == "12.00"
+    monkeypatch.setattr(bench.peers, "run_peer", lambda *args, **kwargs: {"status": "absent"})
+    result = bench.run._Runner(FakeRunnerDevice(), config, 4000.0).case(shape)
+    assert (result.best_fp8_peer, result.vs_best_fp8) == (None, None)
+    assert dict(zip(bench.report.TABLE_COLUMNS, bench.report.table_rows([dataclasses.asdict(result)])[0]))[
+        "vs best fp8"] == "-"
+
+
+def _paged_case(torch, rng, dtype, batch=3, block_size=4, kv_heads=2, group=4, head_dim=16, lengths=(5, 9, 1)):
+    """A small paged cache (NHD pages, each sequence's pages in shuffled order), its query and the
+    float64 attention over its values, computed with NumPy."""
+    pages_per_seq = -(-max(lengths) // block_size)
+    k = rng.standard_normal((batch * pages_per_seq, block_size, kv_heads, head_dim))
+    v = rng.standard_normal(k.shape)
+    q = rng.standard_normal((batch, kv_heads * group, head_dim))
+    tables = rng.permutation(batch * pages_per_seq).reshape(batch, pages_per_seq)
+    k_t, v_t = torch.tensor(k).to(dtype), torch.tensor(v).to(dtype)
+    k_vals, v_vals = k_t.float().double().numpy(), v_t.float().double().numpy()  # what the pages hold
+    want = np.zeros(q.shape)
+    scale = head_dim ** -0.5
+    for s, length in enumerate(lengths):
+        rows_k = k_vals[tables[s]].reshape(-1, kv_heads, head_dim)[:length]
+        rows_v = v_vals[tables[s]].reshape(-1, kv_heads, head_dim)[:length]
+        for h in range(kv_heads * group):
+            scores = rows_k[:, h // group] @ q[s, h] * scale
+            weights = np.exp(scores - scores.max())
+            want[s, h] = weights @ rows_v[:, h // group] / weights.sum()
+    return torch.tensor(q), k_t, v_t, torch.tensor(tables), np.array(lengths, dtype=np.int32), want, scale
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_paged_peer_outputs_are_checked_against_float64_attention(dtype):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    q, k, v, tables, lengths, want, scale = _paged_case(torch, rng, getattr(torch, dtype))
+    check = bench.peers.check_paged_output
+    exact = torch.tensor(want)
+    assert check(torch, exact, q, k, v, tables.__getitem__, lengths, scale) < 1e-9
+    # A peer that read another page order, used another scale or attended fewer positions is caught.
+    shuffled = lambda s: tables[s].flip(0)  # noqa: E731
+    for wrong in [lambda: check(torch, exact, q, k, v, shuffled, lengths, scale),
+                  lambda: check(torch, exact, q, k, v, tables.__getitem__, lengths, 4 * scale),
+                  lambda: check(torch, exact, q, k, v, tables.__getitem__, np.array([3, 9, 1], dtype=np.int32), scale)]:
+        with pytest.raises(bench.peers.PeerUnavailable, match="^error: output differs"):
+            wrong()

@@ -1,6 +1,10 @@
 """The decode peers (decode only, one query token per sequence): torch SDPA over a BF16 cache and
-over an FP8 cache cast to BF16, and flashinfer's paged FP8 decode, each timed like the library's
-launches; a peer that cannot run here has a status instead (`run_peer`)."""
+over an FP8 cache cast to BF16, flashinfer's paged FP8 decode (FA2 on tensor cores), and XQA (the
+FP8 and BF16 paged decode that engines run on Hopper, flashinfer's
+``trtllm_batch_decode_with_kv_cache(backend="xqa")``), each timed like the library's launches; a
+peer that cannot run here has a status instead (`run_peer`). The paged peers' outputs are checked
+once per shape against float64 attention over the same cache values (`check_paged_output`), so
+that a misconfigured peer cannot flatter the library."""
 
 from __future__ import annotations
 
@@ -143,7 +147,8 @@ def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config,
                         power: PowerProbe | None = None) -> tuple[int, Timing]:
     """flashinfer's paged decode over an FP8 E4M3 K/V cache (NHD pages of ``block_size``
     tokens), bf16 q and output, on tensor cores (its choice for GQA groups of 4 and more, and the
-    setting of the FP8 reference numbers in docs/PERFORMANCE.md). Returns (bytes, timing)."""
+    setting of the FP8 reference numbers in docs/PERFORMANCE.md); its output checked once
+    (`check_paged_output`). Returns (bytes, timing)."""
     torch = _optional("torch")
     flashinfer = _optional("flashinfer")
     workspace_bytes = 128 << 20  # flashinfer's documented default for decode
@@ -151,6 +156,7 @@ def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config,
     _check_peer_memory(dev, config.sets * (nbytes + workspace_bytes))
     pages, seq_pages = shape.num_blocks, shape.seq_blocks  # its planner reads the lengths on the host
     last_page_len = shape.seq_lens - (seq_pages - 1) * shape.block_size
+    checked = []  # its output is checked once (check_paged_output)
 
     def make_fn() -> Callable[[], Any]:
         int32 = {"dtype": torch.int32, "device": "cuda"}
@@ -165,15 +171,134 @@ def peer_fp8_flashinfer(dev: Device, shape: Shape, config: Config,
         wrapper.plan(indptr, indices, last_len, shape.num_q_heads, shape.num_kv_heads,
                      shape.head_dim, shape.block_size, q_data_type=torch.bfloat16,
                      kv_data_type=torch.float8_e4m3fn)
-        page_shape = (pages, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        # Bytes below 0x78 are finite positive E4M3 values: random data without NaN.
-        k, v = (torch.randint(0, 0x78, page_shape, dtype=torch.uint8, device="cuda")
-                .view(torch.float8_e4m3fn) for _ in range(2))
+        k, v = (_random_pages(torch, shape, torch.float8_e4m3fn) for _ in range(2))
         q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, dtype=torch.bfloat16,
                         device="cuda")
-        return functools.partial(wrapper.run, q, (k, v))
+        run = functools.partial(wrapper.run, q, (k, v))
+        if not checked:
+            checked.append(check_paged_output(torch, run(), q, k, v, lambda s: indices[indptr[s]:indptr[s + 1]],
+                                              shape.seq_lens, shape.head_dim ** -0.5))
+        return run
 
     return nbytes, _time_torch(dev, torch, make_fn, config, power)
+
+
+#: A paged peer's largest relative error per (sequence, head) against float64 attention over the
+#: values its cache holds: the FP8 peers compute in lower precision (XQA's FP8 path was measured at
+#: about 4e-2), a wrong layout, scale or length gives errors near 1.
+PEER_OUTPUT_TOLERANCE = 0.1
+#: Sequences of a batch whose outputs `check_paged_output` recomputes (the first and the last).
+CHECKED_SEQUENCES = 2
+
+
+def _random_pages(torch: Any, shape: Shape, dtype: Any) -> Any:
+    """K or V pages ``[pages, block_size, kv_heads, head_dim]`` (NHD) of ``dtype`` (bf16 or FP8
+    E4M3): standard normal values, so that the scores are of the size a model's are and a peer's
+    output can be checked against exact attention (values of hundreds would make every softmax
+    one-hot, and any rounding could pick another row)."""
+    page_shape = (shape.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    pages = torch.empty(page_shape, dtype=dtype, device="cuda")
+    for chunk in pages.split(max(1, (1 << 28) // pages[0].numel())):  # float32 scratch of 1 GiB at most
+        chunk.copy_(torch.randn(chunk.shape, device="cuda"))
+    return pages
+
+
+def _gathered(torch: Any, pages: Any, rows: Any) -> Any:
+    """``pages[rows]`` as float64 (FP8 pages gathered as bytes: indexing is not defined on them)."""
+    if pages.element_size() == 1:
+        return pages.view(torch.uint8)[rows].view(pages.dtype).float().double()
+    return pages[rows].double()
+
+
+def check_paged_output(torch: Any, out: Any, q: Any, k_pages: Any, v_pages: Any,
+                       seq_pages: Callable[[int], Any], seq_lens: np.ndarray, sm_scale: float) -> float:
+    """The largest relative error per head of a paged decode's output ``out`` ``[batch, q_heads,
+    head_dim]`` against float64 attention over the pages (``[pages, block_size, kv_heads,
+    head_dim]``, NHD; ``seq_pages(s)``: sequence s's page ids in order), for the first and last
+    sequence; raises `PeerUnavailable` ("error: ...") above `PEER_OUTPUT_TOLERANCE`."""
+    batch, q_heads, head_dim = out.shape
+    kv_heads = k_pages.shape[2]
+    worst = 0.0
+    for s in sorted({0, batch - 1})[:CHECKED_SEQUENCES]:
+        length = int(seq_lens[s])
+        rows = seq_pages(s)[:-(-length // k_pages.shape[1])].long()
+        k = _gathered(torch, k_pages, rows).reshape(-1, kv_heads, head_dim)[:length]
+        v = _gathered(torch, v_pages, rows).reshape(-1, kv_heads, head_dim)[:length]
+        group = q_heads // kv_heads
+        qs = q[s].double().reshape(kv_heads, group, head_dim)
+        scores = torch.einsum("hgd,lhd->hgl", qs, k) * sm_scale
+        want = torch.einsum("hgl,lhd->hgd", torch.softmax(scores, dim=-1), v).reshape(q_heads, head_dim)
+        got = out[s].double()
+        err = (torch.linalg.vector_norm(got - want, dim=-1) / torch.linalg.vector_norm(want, dim=-1)).max()
+        worst = max(worst, float(err))
+    if not worst <= PEER_OUTPUT_TOLERANCE:
+        raise PeerUnavailable(f"error: output differs from float64 attention over its cache "
+                              f"(relative error {worst:.3g} > {PEER_OUTPUT_TOLERANCE})")
+    return worst
+
+
+def _paged_inputs(torch: Any, shape: Shape, kv_dtype: Any) -> tuple[Any, Any, Any, Any]:
+    """A paged peer's inputs: bf16 q ``[batch, q_heads, head_dim]``, K and V pages
+    (`_random_pages`) and the block tables ``[batch, pages per sequence]``, the pages handed out in
+    random order."""
+    k, v = (_random_pages(torch, shape, kv_dtype) for _ in range(2))
+    q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, dtype=torch.bfloat16, device="cuda")
+    tables = torch.randperm(shape.num_blocks, dtype=torch.int32, device="cuda").reshape(shape.batch, -1)
+    return q, k, v, tables
+
+
+def _xqa(kv_element_bytes: int):
+    def peer(dev: Device, shape: Shape, config: Config,
+             power: PowerProbe | None = None) -> tuple[int, Timing]:
+        """XQA (flashinfer's ``trtllm_batch_decode_with_kv_cache``, ``backend="xqa"``) over NHD
+        pages of ``block_size`` tokens, FP8 E4M3 or BF16 K/V, bf16 q and output, the lengths on
+        the device (no host plan): ``bmm1_scale`` = k_scale · softmax scale, ``bmm2_scale`` =
+        v_scale (both scales 1 here), a zero-initialised workspace per input set. Its output is
+        checked once (`check_paged_output`). Returns (bytes, timing)."""
+        torch = _optional("torch")
+        decode = getattr(_optional("flashinfer.decode"), "trtllm_batch_decode_with_kv_cache", None)
+        if decode is None:
+            raise PeerUnavailable("absent")
+        workspace_bytes = 128 << 20
+        nbytes = peer_bytes(shape, kv_element_bytes)
+        _check_peer_memory(dev, config.sets * (nbytes + workspace_bytes))
+        kv_dtype = torch.float8_e4m3fn if kv_element_bytes == 1 else torch.bfloat16
+        sm_scale = shape.head_dim ** -0.5
+        seq_lens = shape.seq_lens
+        checked = []  # the output is checked once
+
+        def make_fn() -> Callable[[], Any]:
+            q, k, v, tables = _paged_inputs(torch, shape, kv_dtype)
+            lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+            workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device="cuda")
+            out = torch.empty_like(q)
+            run = functools.partial(decode, q, (k, v), workspace, tables, lens, int(seq_lens.max()),
+                                    bmm1_scale=sm_scale, bmm2_scale=1.0, out=out, kv_layout="NHD",
+                                    backend="xqa")
+            if not checked:
+                run()
+                checked.append(check_paged_output(torch, out, q, k, v, tables.__getitem__, seq_lens, sm_scale))
+            return run
+
+        return nbytes, _time_torch(dev, torch, make_fn, config, power)
+
+    return peer
+
+
+peer_fp8_xqa = _xqa(1)
+peer_bf16_xqa = _xqa(BF16_BYTES)
+
+
+#: The peers over an FP8 cache: the "vs best FP8" column compares each row with the fastest of them.
+FP8_PEERS = ("fp8_sdpa", "fp8_flashinfer", "fp8_xqa")
+
+
+def best_fp8_peer(results: dict[str, dict[str, Any]]) -> tuple[str, float] | None:
+    """The fastest FP8 peer that ran among ``results`` (`run_peer`'s, by name) and its median µs,
+    or None where none ran."""
+    ran = [(results[name]["median_us"], name) for name in FP8_PEERS
+           if results.get(name, {}).get("status") == "ok"]
+    return (min(ran)[1], min(ran)[0]) if ran else None
 
 
 #: Each peer times its decode of a shape (and with a `PowerProbe` measures its power): (bytes, timing).
@@ -181,6 +306,8 @@ PEERS: dict[str, Callable[[Device, Shape, Config, PowerProbe | None], tuple[int,
     "bf16_sdpa": peer_bf16_sdpa,
     "fp8_sdpa": peer_fp8_sdpa,
     "fp8_flashinfer": peer_fp8_flashinfer,
+    "fp8_xqa": peer_fp8_xqa,
+    "bf16_xqa": peer_bf16_xqa,
 }
 
 

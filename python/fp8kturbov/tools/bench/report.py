@@ -21,7 +21,8 @@ from .rows import context_line
 from .timing import GRAPH_CHAIN
 
 #: The peers' names in the report's column headers, in `peers.PEERS` order.
-PEER_LABELS = {"bf16_sdpa": "bf16 sdpa", "fp8_sdpa": "fp8 sdpa", "fp8_flashinfer": "flashinfer fp8"}
+PEER_LABELS = {"bf16_sdpa": "bf16 sdpa", "fp8_sdpa": "fp8 sdpa", "fp8_flashinfer": "flashinfer fp8",
+               "fp8_xqa": "xqa fp8", "bf16_xqa": "xqa bf16"}
 
 
 def _module_version(name: str) -> str | None:
@@ -85,7 +86,7 @@ def _peer_cell(peer: dict[str, Any] | None) -> str:
 
 
 TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us", "read us", "in-graph us",
-                 *(f"{label} us" for label in PEER_LABELS.values()), "note")
+                 *(f"{label} us" for label in PEER_LABELS.values()), "vs best fp8", "note")
 
 
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -94,7 +95,8 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
              format_number(row["plain_read_us"], 2), format_number(row["in_graph_us"], 2),
-             *(_peer_cell(row["peers"].get(name)) for name in PEER_LABELS), row["note"].split(":", 1)[0])
+             *(_peer_cell(row["peers"].get(name)) for name in PEER_LABELS),
+             "-" if row.get("vs_best_fp8") is None else f"{row['vs_best_fp8']:.2f}x", row["note"].split(":", 1)[0])
             for row in rows if row["op"] in OPS]
 
 

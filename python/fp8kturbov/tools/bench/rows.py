@@ -62,6 +62,8 @@ class Result:
     energy_mj: float | None = None  # per launch, mJ: power_w over in_graph_us (measured in a graph)
     note: str = ""
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    best_fp8_peer: str | None = None  # the fastest FP8 peer of the row (`peers.best_fp8_peer`)
+    vs_best_fp8: float | None = None  # its median over the row's: > 1 where the row is faster
 
     @classmethod
     def for_shape(cls, shape: Shape) -> Result:
@@ -135,11 +137,15 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "energy_mj": float|null  per launch, mJ: power_w x in_graph_us,
                    "note": "" or, joined by ", ": "L2", "sets <N> %", "power cap <N> %",
                            "thermal <N> %" (a limit's share above 1 %); or "skipped: <why>",
-                   "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer": {"status": "ok"|"absent"|
+                   "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer"|"fp8_xqa"|"bf16_xqa": {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
                              "median_us", "min_us", "samples", "set_medians_us", "gbps",
                              "pct_of_ceiling", "clock_limited", "power_w" (over its graph replays,
-                             one launch each), "energy_mj" (power_w x median_us)}}}]}
+                             one launch each), "energy_mj" (power_w x median_us)}},
+                   "best_fp8_peer": "fp8_sdpa"|"fp8_flashinfer"|"fp8_xqa"|null  the fastest FP8
+                                           peer that ran,
+                   "vs_best_fp8": float|null  its median_us over the row's (> 1: the row is
+                                           faster)}]}
 
     The first row is the ceiling (``op == "read"``), the second the copy, the third the launch
     floor.

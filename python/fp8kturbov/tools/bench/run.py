@@ -128,6 +128,9 @@ class _Runner:
             result.plain_read_us = self.plain_read_us(result.bytes)
             if self.config.peers and shape.q_len == 1:
                 result.peers = self.peer_results(shape)
+                best = peers.best_fp8_peer(result.peers)
+                if best is not None and result.median_us:
+                    result.best_fp8_peer, result.vs_best_fp8 = best[0], best[1] / result.median_us
         return result
 
     def peer_results(self, shape: Shape) -> dict[str, dict[str, Any]]:
