@@ -718,11 +718,15 @@ def classify_int(value: Any, limit: int) -> tuple[str, int | None]:
 
 def classify_float(value: Any) -> tuple[str, float | None]:
     assert not isinstance(value, (str, bytes)), "strings: see test_python_string_for_a_float_is_refused"
+    if isinstance(value, (bool, np.bool_)):  # True is no scale
+        return "type", None
     try:
         number = float(value)
     except TypeError:
         return "type", None
     if math.isfinite(number) and abs(number) > FLT_MAX:
+        return "range", None
+    if number != 0.0 and np.float32(number) == 0.0:  # would turn into 0 (soft-capping off, say)
         return "range", None
     return "ok", number
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def test_the_package_imports_with_the_library_path_pointing_nowhere(tmp_path):
     missing = tmp_path / "libfp8kturbov.so"
     env = {**os.environ, "FP8KTURBOV_LIBRARY": str(missing)}
     lines = run_without_library(env, str(PACKAGE.parent))
-    assert len(lines) == 3 and all(line.startswith("OSError") and str(missing) in line
+    assert len(lines) == 3 and all(line == f"ImportError FP8KTURBOV_LIBRARY={str(missing)!r}: no such file"
                                    for line in lines[:2]), lines
     header = PACKAGE.parents[1] / "cuda" / "include" / "fp8kturbov.h"
     if header.exists():  # a checkout: the version comes from its header
@@ -159,5 +160,46 @@ def test_a_library_of_another_abi_is_refused_before_its_symbols_are_bound(tmp_pa
     built = tmp_path / "libother_abi.so"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(built), str(source)], check=True)
     monkeypatch.setenv(_lib.LIBRARY_ENV, str(built))
-    with pytest.raises(ImportError, match=f"{built} has ABI version 99, this package needs {_lib.ABI_VERSION}"):
+    with pytest.raises(ImportError, match=re.escape(f"FP8KTURBOV_LIBRARY={str(built)!r} has ABI version 99, "
+                                                    f"this package needs {_lib.ABI_VERSION}")):
+        _lib._load()
+
+
+def _c_library(tmp_path: Path, source: str) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "lib.c").write_text(source)
+    built = tmp_path / "libsome.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(built), str(tmp_path / "lib.c")], check=True)
+    return built
+
+
+@pytest.mark.parametrize("source, message", [
+    ("int unrelated(void) { return 0; }\n", "has no symbol fp8kturbov_abi_version"),
+    (f"int fp8kturbov_abi_version(void) {{ return {_lib.ABI_VERSION}; }}\n", "has no symbol fp8kturbov_"),
+])
+def test_a_library_lacking_a_function_is_refused_by_name(tmp_path, monkeypatch, source, message):
+    """Another library, or one of this ABI that lacks a function: an ImportError that names the
+    variable and the missing function, not an AttributeError from ctypes."""
+    built = _c_library(tmp_path, source)
+    monkeypatch.setenv(_lib.LIBRARY_ENV, str(built))
+    with pytest.raises(ImportError, match=re.escape(f"FP8KTURBOV_LIBRARY={str(built)!r} is not the fp8kturbov "
+                                                    "library this package needs") + ".*" + message):
+        _lib._load()
+
+
+@pytest.mark.parametrize("contents", [b"", b"not a shared library\n", b"\x7fELF\x02\x01\x01" + bytes(64)])
+def test_a_file_that_is_no_shared_library_is_refused_naming_the_variable(tmp_path, monkeypatch, contents):
+    path = tmp_path / "libfp8kturbov.so"
+    path.write_bytes(contents)
+    monkeypatch.setenv(_lib.LIBRARY_ENV, str(path))
+    with pytest.raises(ImportError, match=re.escape(f"FP8KTURBOV_LIBRARY={str(path)!r} does not load as a shared "
+                                                    "library: ")):
+        _lib._load()
+
+
+def test_a_folder_is_no_library(tmp_path, monkeypatch):
+    monkeypatch.setenv(_lib.LIBRARY_ENV, str(tmp_path))
+    with pytest.raises(ImportError, match=re.escape(f"FP8KTURBOV_LIBRARY={str(tmp_path)!r}: not a file")):
         _lib._load()

@@ -142,7 +142,7 @@ def stream_handle(stream: Any) -> int:
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         _version, handle = protocol() if callable(protocol) else protocol
-        return int(handle)
+        return unsigned("stream.__cuda_stream__()[1]", handle, U64_MAX)
     if cu is not None and isinstance(stream, cu.CUstream):
         return int(stream)
     raise TypeError(f"stream: expected None, int, CUstream or __cuda_stream__, got {type(stream)!r}")

@@ -99,7 +99,58 @@ def _cai_dtype(typestr: str) -> tuple[str, int]:
     return dtype.name, dtype.itemsize
 
 
-def _from_cai(name: str, interface: dict[str, Any]) -> ArrayArgument:
+#: The CUDA Array Interface versions read (3 added "stream"), and the values its "stream" may not
+#: take: 0 is ambiguous (legacy or per-thread default), which version 3 forbids.
+CAI_VERSIONS = (0, 1, 2, 3)
+_U64_LIMIT = 2**64
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _cai_ints(value: Any, count: int | None) -> bool:
+    """Whether ``value`` is a tuple (or list) of ``count`` (any number where None) ints."""
+    return (isinstance(value, (tuple, list)) and (count is None or len(value) == count)
+            and all(_is_int(v) for v in value))
+
+
+def _check_cai(name: str, interface: Any) -> None:
+    """Refuse a ``__cuda_array_interface__`` that breaks the interface's rules (version 3, read to
+    the letter), naming the argument and the field."""
+    def refuse(found: str, expected: str) -> ArgumentError:
+        return ArgumentError(name, f"__cuda_array_interface__ {found}", expected)
+
+    if not isinstance(interface, dict):
+        raise refuse(f"of type {type(interface).__name__}", "a dict")
+    missing = [key for key in ("version", "shape", "typestr", "data") if key not in interface]
+    if missing:
+        raise refuse(f"without {', '.join(map(repr, missing))}", "the keys version, shape, typestr and data")
+    version = interface["version"]
+    if not _is_int(version) or int(version) not in CAI_VERSIONS:
+        raise refuse(f"version {version!r}", f"one of {', '.join(map(str, CAI_VERSIONS))}")
+    shape = interface["shape"]
+    if not _cai_ints(shape, None) or any(int(size) < 0 for size in shape):
+        raise refuse(f"shape {shape!r}", "a tuple of sizes >= 0")
+    if not isinstance(interface["typestr"], str):
+        raise refuse(f"typestr {interface['typestr']!r}", "a string")
+    data = interface["data"]
+    if (not isinstance(data, (tuple, list)) or len(data) != 2 or not _is_int(data[0])
+            or not 0 <= int(data[0]) < _U64_LIMIT or not isinstance(data[1], (bool, np.bool_))):
+        raise refuse(f"data {data!r}", "(pointer, read-only flag): an int in [0, 2^64) and a bool")
+    strides = interface.get("strides")
+    if strides is not None and not _cai_ints(strides, len(shape)):
+        raise refuse(f"strides {strides!r}", f"None or {len(shape)} ints (one per dimension)")
+    if "stream" in interface and interface["stream"] is not None:
+        stream = interface["stream"]
+        if int(version) < 3:
+            raise refuse(f"stream in version {version}", "no stream before version 3")
+        if not _is_int(stream) or not 0 < int(stream) < _U64_LIMIT:
+            raise refuse(f"stream {stream!r}", "None or a handle in [1, 2^64) (0 is not allowed)")
+
+
+def _from_cai(name: str, interface: Any) -> ArrayArgument:
+    _check_cai(name, interface)
     if interface.get("mask") is not None:
         raise ArgumentError(name, "a masked array", "no mask")
     dtype, itemsize = _cai_dtype(interface["typestr"])
@@ -114,7 +165,7 @@ def _from_cai(name: str, interface: dict[str, Any]) -> ArrayArgument:
     else:
         strides = tuple(int(s) // itemsize for s in byte_strides)
     stream = interface.get("stream")  # v3; absent before
-    return ArrayArgument(name, "cai", int(ptr or 0), dtype, itemsize, shape, strides, None,
+    return ArrayArgument(name, "cai", int(ptr), dtype, itemsize, shape, strides, None,
                   bool(readonly), None if stream is None else int(stream))
 
 
@@ -169,13 +220,20 @@ def _dl_tensor(name: str, capsule: Any) -> tuple[_DLTensor, bool]:
 
 def from_dlpack(name: str, obj: Any, dlpack_stream: int) -> tuple[ArrayArgument, Any]:
     """The array and its capsule, which the caller keeps until the launch is queued."""
-    device_type, _ = (int(v) for v in obj.__dlpack_device__())
+    device_type, device_id = (int(v) for v in obj.__dlpack_device__())
     if device_type not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
         label = _DL_DEVICE_NAMES.get(device_type, "not CUDA")
         raise ArgumentError(name, f"DLPack device type {device_type} ({label})",
                             "CUDA device memory (kDLCUDA or kDLCUDAManaged)")
     capsule = obj.__dlpack__(stream=dlpack_stream)
     tensor, readonly = _dl_tensor(name, capsule)
+    # The capsule's own device rules: a producer whose __dlpack_device__ says CUDA but whose
+    # tensor lies elsewhere would hand the kernels a host pointer.
+    if tensor.device.device_type != device_type or tensor.device.device_id != device_id:
+        found = _DL_DEVICE_NAMES.get(tensor.device.device_type, f"type {tensor.device.device_type}")
+        raise ArgumentError(name, f"a DLPack capsule on {found} device {tensor.device.device_id}",
+                            f"the device its __dlpack_device__ names ({_DL_DEVICE_NAMES[device_type]} "
+                            f"device {device_id})")
     code, bits, lanes = tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes
     dtype = _DL_DTYPES.get((code, bits)) if lanes == 1 else None
     shape = tuple(tensor.shape[i] for i in range(tensor.ndim))

@@ -1,8 +1,9 @@
 """Loads ``libfp8kturbov.so`` on first use, checks its ABI version, then binds every C signature.
 
 Importing this module needs no library: `library()` (or the ``lib`` attribute) loads it once, on
-the first call that needs it; the load's errors are ImportError (no library beside the package,
-a too old driver, another ABI) or OSError (a library that does not load).
+the first call that needs it; the load's errors are ImportError, naming ``FP8KTURBOV_LIBRARY``
+where it chose the file: no library beside the package, no such file, a file that does not load
+as a shared library, a too old driver, another ABI, a library lacking one of the functions.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import re
 import sys
 import threading
+from typing import Any
 from pathlib import Path
 
 from ._device import driver_version
@@ -279,21 +281,37 @@ def check_driver(path: Path) -> None:
     )
 
 
+def _source(path: Path) -> str:
+    """How the library at ``path`` was chosen, for an error message."""
+    return f"{LIBRARY_ENV}={os.environ[LIBRARY_ENV]!r}" if os.environ.get(LIBRARY_ENV) else str(path)
+
+
+def _bound(loaded: ctypes.CDLL, path: Path, name: str) -> Any:
+    """``loaded``'s function ``name`` with its `SIGNATURES` types; ImportError where it lacks it."""
+    try:
+        function = getattr(loaded, name)
+    except AttributeError:
+        raise ImportError(f"{_source(path)} is not the fp8kturbov library this package needs (ABI "
+                          f"version {ABI_VERSION}): it has no symbol {name}") from None
+    function.restype, function.argtypes = SIGNATURES[name]
+    return function
+
+
 def _load() -> ctypes.CDLL:
     path = library_path()
+    if not path.is_file():
+        raise ImportError(f"{_source(path)}: {'not a file' if path.exists() else 'no such file'}")
     check_driver(path)
-    loaded = ctypes.CDLL(str(path))
+    try:
+        loaded = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise ImportError(f"{_source(path)} does not load as a shared library: {exc}") from None
     # The ABI version first: a library of another ABI may lack symbols or declare them otherwise.
-    restype, argtypes = SIGNATURES["fp8kturbov_abi_version"]
-    abi_version = loaded.fp8kturbov_abi_version
-    abi_version.restype, abi_version.argtypes = restype, argtypes
-    found = abi_version()
+    found = _bound(loaded, path, "fp8kturbov_abi_version")()
     if found != ABI_VERSION:
-        raise ImportError(f"{path} has ABI version {found}, this package needs {ABI_VERSION}")
-    for name, (restype, argtypes) in SIGNATURES.items():
-        function = getattr(loaded, name)
-        function.restype = restype
-        function.argtypes = argtypes
+        raise ImportError(f"{_source(path)} has ABI version {found}, this package needs {ABI_VERSION}")
+    for name in SIGNATURES:
+        _bound(loaded, path, name)
     return loaded
 
 

@@ -91,6 +91,9 @@ class _Call:
         return cls(described, handle, exports)
 
     def __getitem__(self, name: str) -> ArrayArgument:
+        """A required array: one given as None (or not at all) is refused by name."""
+        if name not in self.arrays:
+            raise ArgumentError(name, "None", "an array (it is required)")
         return self.arrays[name]
 
     def get(self, name: str) -> ArrayArgument | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ._errors import InvalidValueError, Status
 from ._lib import library
 from ._limits import DEFAULT_V_BITS
+from ._scalars import integer
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,13 @@ class CacheLayout:
     v_data_section_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 0:
-            raise InvalidValueError(Status.INVALID_VALUE, f"num_blocks = {self.num_blocks} < 0")
+        num_blocks = integer(self.num_blocks)  # NumPy integers too, kept as Python ints
+        if num_blocks is None or num_blocks < 0:
+            raise InvalidValueError(Status.INVALID_VALUE, f"num_blocks = {self.num_blocks!r} is not an integer >= 0")
+        object.__setattr__(self, "num_blocks", num_blocks)
+        for name in ("block_size", "num_kv_heads", "head_dim", "v_bits"):
+            value = integer(getattr(self, name))
+            object.__setattr__(self, name, getattr(self, name) if value is None else value)
         shape = (self.block_size, self.num_kv_heads, self.head_dim)
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**32
                    for v in (*shape, self.v_bits)):

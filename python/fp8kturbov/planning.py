@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ._scalars import integer
 from .layout import CacheLayout
 
 __all__ = ["FORMATS", "ZERO_K_SCALE", "MIN_K_SCALE", "CapacityPlan", "bytes_per_token",
@@ -83,9 +84,13 @@ def _check_format(fmt: str) -> int | None:
     return FORMATS[fmt]
 
 
-def _check_count(name: str, value: int, least: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+def _count(name: str, value: int, least: int = 1) -> int:
+    """``value`` as a Python int (NumPy integers too: their arithmetic would wrap) of at least
+    ``least``."""
+    number = integer(value)
+    if number is None or number < least:
         raise ValueError(f"{name} = {value!r} is not an integer >= {least}")
+    return number
 
 
 def page_bytes(num_kv_heads: int, head_dim: int, fmt: str, block_size: int = 16) -> int:
@@ -96,9 +101,8 @@ def page_bytes(num_kv_heads: int, head_dim: int, fmt: str, block_size: int = 16)
     ``head_dim`` must be a multiple of 16).
     """
     bits = _check_format(fmt)
-    for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                        ("block_size", block_size)):
-        _check_count(name, value)
+    num_kv_heads, head_dim, block_size = (_count(name, value) for name, value in (
+        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("block_size", block_size)))
     if bits is None:
         return 2 * block_size * num_kv_heads * head_dim * _DENSE_ELEMENT_BYTES[fmt]
     layout = CacheLayout(1, block_size, num_kv_heads, head_dim, bits)
@@ -116,8 +120,9 @@ def tokens_that_fit(budget_bytes: int, *, num_layers: int, num_kv_heads: int, he
                     fmt: str, block_size: int = 16) -> int:
     """Tokens the cache of every layer holds in ``budget_bytes``, counting whole pages only:
     ``pages · block_size`` with ``pages = budget_bytes // (num_layers · page_bytes)``."""
-    _check_count("budget_bytes", budget_bytes, least=0)
-    _check_count("num_layers", num_layers)
+    budget_bytes = _count("budget_bytes", budget_bytes, least=0)
+    num_layers = _count("num_layers", num_layers)
+    block_size = _count("block_size", block_size)
     pages = budget_bytes // (num_layers * page_bytes(num_kv_heads, head_dim, fmt, block_size))
     return pages * block_size
 
