@@ -7,14 +7,29 @@ elements of a group, exactly as FORMAT.md §3.2 prescribes; attention (§5) is d
 
 Units: sizes and strides named ``*_bytes`` are bytes; ``key_stride``, ``value_stride`` and ``q_stride``
 are elements; ``n = num_kv_heads * head_dim`` is the number of elements in one token row.
+
+Arguments follow the library's rules with the library's wording (``name = value ...``): what the C
+entry points refuse, the reference refuses, with a ValueError naming the argument; an array of the
+wrong kind (integers where data is expected, floats where bytes, slots or page ids are) is a
+TypeError. Where the library defines a result (NaN data, seq_len 0, a seq_len beyond the block
+table), the reference computes it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from . import _scalars
 from ._limits import ROTATION_HEAD_DIMS
+from ._scalars import U32_MAX, U64_MAX
+from ._reference_args import GROUP_ELEMS, V_ENCODERS, _check_rotation_dim
+from ._reference_args import (  # the argument rules
+    _block_tables, _bytes, _check_bits, _check_encoder, _check_entries, _check_finite_non_negative, _check_k_reciprocal, _check_k_scale, _check_last_axis, _check_page_shape, _check_q_heads, _check_q_stride, _check_rotation, _check_row_stride, _check_score_scale, _check_table_width, _float_data, _index_array, _integers, _pool, _token_rows, _u32,
+)
 
 __all__ = [
     "BOUNDS", "CODEBOOKS", "E4M3_MAX", "GROUP_ELEMS", "LEVEL_MAX",
@@ -24,8 +39,6 @@ __all__ = [
     "V_ENCODERS", "MSE_CANDIDATE_BYTES", "ROTATION_DIMS", "rotation_signs", "hadamard", "rotate", "unrotate",
 ]
 
-GROUP_ELEMS = 16
-"""Elements per V group (one scale byte each), FORMAT.md §3."""
 E4M3_MAX = 448.0
 """Largest finite E4M3 (e4m3fn) magnitude."""
 
@@ -45,36 +58,24 @@ BOUNDS: dict[int, NDArray[np.float32]] = {
 LEVEL_MAX: dict[int, np.float32] = {b: np.float32(levels[-1]) for b, levels in CODEBOOKS.items()}
 
 
-def _check_bits(bits: int) -> None:
-    if bits not in CODEBOOKS:
-        raise ValueError(f"V bits must be 2, 3 or 4, got {bits}")
-
-
-def _check_head_dim(head_dim: int) -> None:
-    if head_dim <= 0 or head_dim % GROUP_ELEMS != 0:
-        raise ValueError(f"head_dim must be a positive multiple of {GROUP_ELEMS}, got {head_dim}")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Sizes (FORMAT.md §2, §3). All results are bytes.
 # ---------------------------------------------------------------------------------------------------
 def k_page_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """Packed K page, bytes: ``B·n`` (one E4M3 byte per element), FORMAT.md §2."""
-    _check_head_dim(head_dim)
+    block_size, num_kv_heads, head_dim = _check_page_shape(block_size, num_kv_heads, head_dim)
     return block_size * num_kv_heads * head_dim
 
 
 def v_data_section_bytes(block_size: int, num_kv_heads: int, head_dim: int, bits: int) -> int:
     """Packed V data section, bytes: ``B·n·b/8``, FORMAT.md §3."""
-    _check_head_dim(head_dim)
-    _check_bits(bits)
-    return block_size * num_kv_heads * head_dim * bits // 8
+    bits = _check_bits(bits)
+    return k_page_bytes(block_size, num_kv_heads, head_dim) * bits // 8
 
 
 def v_scale_section_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """V scale section, bytes: ``B·n/16`` (one E4M3 byte per 16-element group), FORMAT.md §3."""
-    _check_head_dim(head_dim)
-    return block_size * num_kv_heads * head_dim // GROUP_ELEMS
+    return k_page_bytes(block_size, num_kv_heads, head_dim) // GROUP_ELEMS
 
 
 def v_page_bytes(block_size: int, num_kv_heads: int, head_dim: int, bits: int) -> int:
@@ -85,8 +86,7 @@ def v_page_bytes(block_size: int, num_kv_heads: int, head_dim: int, bits: int) -
 
 def v_group_bytes(bits: int) -> int:
     """Packed codes of one 16-element group, bytes: ``2b`` (8, 6, 4), FORMAT.md §3."""
-    _check_bits(bits)
-    return 2 * bits
+    return 2 * _check_bits(bits)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -106,17 +106,23 @@ def e4m3_encode(x: ArrayLike) -> NDArray[np.uint8]:
 
 def e4m3_decode(b: ArrayLike) -> NDArray[np.float32]:
     """Float32 value of E4M3 bytes (0x7F/0xFF are NaN), FORMAT.md §2."""
-    return np.asarray(b, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return _bytes("b", b).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
 def encode_k(x: ArrayLike, k_scale: float) -> NDArray[np.uint8]:
-    """K bytes of float32/bfloat16 values, any shape: ``E4M3(x · (1.0f / k_scale))``, FORMAT.md §2."""
+    """K bytes of float32/bfloat16 values, any shape: ``E4M3(x · (1.0f / k_scale))``, FORMAT.md §2.
+    ``k_scale``: finite, > 0. A k_scale whose float32 reciprocal is inf is computed as the format says
+    (a zero key becomes NaN): `write_cache`, like the library's write, refuses it."""
+    x = _float_data("x", x)
+    _check_k_scale(k_scale)
     inv = np.float32(1.0) / np.float32(k_scale)  # once, in float32; then a multiply per element
-    return e4m3_encode(np.asarray(x).astype(np.float32) * inv)
+    with np.errstate(over="ignore"):  # a product beyond float32 is inf, which saturates
+        return e4m3_encode(x.astype(np.float32) * inv)
 
 
 def decode_k(b: ArrayLike, k_scale: float) -> NDArray[np.float32]:
-    """Float32 K values of K bytes: ``float(E4M3(byte)) · k_scale``, FORMAT.md §2."""
+    """Float32 K values of K bytes: ``float(E4M3(byte)) · k_scale``, FORMAT.md §2 (``k_scale`` finite, > 0)."""
+    _check_k_scale(k_scale)
     return e4m3_decode(b) * np.float32(k_scale)
 
 
@@ -128,13 +134,10 @@ def pack_codes(codes: ArrayLike, bits: int) -> NDArray[np.uint8]:
 
     Groups are packed back to back, so the packing is applied along the whole last axis.
     """
-    _check_bits(bits)
-    c = np.asarray(codes).astype(np.uint8)
-    n = c.shape[-1]
-    if n % GROUP_ELEMS != 0:
-        raise ValueError(f"last axis must be a multiple of {GROUP_ELEMS} codes, got {n}")
-    if np.any(c >= (1 << bits)):
-        raise ValueError(f"codes must be < {1 << bits} for {bits}-bit packing")
+    bits = _check_bits(bits)
+    code_max = (1 << bits) - 1
+    c = _integers("codes", codes, 0, code_max, f"a {bits}-bit code (0 ... {code_max})").astype(np.uint8)
+    n = _check_last_axis("codes", c, GROUP_ELEMS, "codes")
     lead = c.shape[:-1]
     if bits == 4:  # byte j = c[2j] | c[2j+1] << 4
         out = c[..., 0::2] | (c[..., 1::2] << 4)
@@ -151,11 +154,9 @@ def pack_codes(codes: ArrayLike, bits: int) -> NDArray[np.uint8]:
 
 def unpack_codes(data: ArrayLike, bits: int) -> NDArray[np.uint8]:
     """Inverse of `pack_codes`: bytes ``[..., m]`` (m % 2b == 0) to codes ``[..., 8m/b]``, FORMAT.md §3.3."""
-    _check_bits(bits)
-    d = np.asarray(data, dtype=np.uint8)
-    m = d.shape[-1]
-    if m % v_group_bytes(bits) != 0:
-        raise ValueError(f"last axis must be a multiple of {v_group_bytes(bits)} bytes, got {m}")
+    bits = _check_bits(bits)
+    d = _bytes("data", data)
+    m = _check_last_axis("data", d, v_group_bytes(bits), "bytes")
     lead = d.shape[:-1]
     if bits == 4:
         out = np.stack([d & 0xF, d >> 4], axis=-1)
@@ -176,13 +177,10 @@ def encode_v(x: ArrayLike, bits: int, encoder: str = "matched_norm") -> tuple[ND
     float32 numpy operation and the sums run sequentially over i = 0..15, as in the original engine.
     ``encoder="mse"`` selects `_encode_v_mse_groups` (same byte format, same decoder; never the default).
     """
-    _check_bits(bits)
-    if encoder not in V_ENCODERS:
-        raise ValueError(f"encoder must be one of {', '.join(V_ENCODERS)}, got {encoder!r}")
-    x = np.asarray(x).astype(np.float32)
-    n = x.shape[-1]
-    if n % GROUP_ELEMS != 0:
-        raise ValueError(f"last axis must be a multiple of {GROUP_ELEMS} elements, got {n}")
+    bits = _check_bits(bits)
+    _check_encoder(encoder)
+    x = _float_data("x", x).astype(np.float32)
+    n = _check_last_axis("x", x, GROUP_ELEMS, "elements")
     xg = x.reshape(*x.shape[:-1], n // GROUP_ELEMS, GROUP_ELEMS)
     if encoder == "mse":
         codes, scale_bytes = _encode_v_mse_groups(xg.reshape(-1, GROUP_ELEMS), bits)
@@ -218,10 +216,11 @@ def decode_v(data: ArrayLike, scales: ArrayLike, bits: int) -> NDArray[np.float3
     """Float32 V values ``[..., n]`` of packed data ``[..., n·b/8]`` and scale bytes ``[..., n/16]``:
     ``level[code] · float(E4M3(scale))``, FORMAT.md §3.4 (levels kept in float32)."""
     codes = unpack_codes(data, bits)
-    scale = e4m3_decode(scales)
+    scale = e4m3_decode(_bytes("scales", scales))
     n = codes.shape[-1]
-    if scale.shape[-1] * GROUP_ELEMS != n:
-        raise ValueError(f"{n} codes need {n // GROUP_ELEMS} scale bytes, got {scale.shape[-1]}")
+    if scale.shape != codes.shape[:-1] + (n // GROUP_ELEMS,):
+        raise ValueError(f"scales has shape {scale.shape}, not {codes.shape[:-1] + (n // GROUP_ELEMS,)}: "
+                         f"one scale byte per group of the data")
     values = CODEBOOKS[bits][codes].reshape(*codes.shape[:-1], n // GROUP_ELEMS, GROUP_ELEMS)
     return (values * scale[..., None]).reshape(codes.shape)
 
@@ -229,8 +228,6 @@ def decode_v(data: ArrayLike, scales: ArrayLike, bits: int) -> NDArray[np.float3
 # ---------------------------------------------------------------------------------------------------
 # The MSE-optimal V encoder (an option allowed by FORMAT.md §3.2; same bytes format, same decoder)
 # ---------------------------------------------------------------------------------------------------
-V_ENCODERS = ("matched_norm", "mse")
-"""Values of `encode_v`'s ``encoder``; the first is the default (FORMAT.md §3.2)."""
 MSE_CANDIDATE_BYTES: NDArray[np.uint8] = np.arange(0x00, 0x7F, dtype=np.uint8)
 """Scale bytes the MSE encoder tries, in this (ascending) order: 0x00 (zero) and every positive finite
 E4M3 byte 0x01 ... 0x7E (2^-9 ... 448)."""
@@ -293,11 +290,6 @@ _SIGN_WORDS: dict[str, tuple[int, ...]] = {
                0xD49B9E8DFD26399E, 0x3E65CA562BF53DB5, 0xAD67A2B67F01D99C, 0x3A6CBE9800803A7B),
 }
 _SIGN_WORDS["S1_512"] = _SIGN_WORDS["S1_256"] + _SIGN_WORDS["S2_256"]
-
-
-def _check_rotation_dim(head_dim: int) -> None:
-    if head_dim not in ROTATION_DIMS:
-        raise ValueError(f"the rotation is defined for head_dim {ROTATION_DIMS}, got {head_dim}")
 
 
 def rotation_signs(head_dim: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -376,21 +368,89 @@ def rotate_f32(x: ArrayLike, head_dim: int) -> NDArray[np.float32]:
 # ---------------------------------------------------------------------------------------------------
 # Cache write (FORMAT.md §4), its inverse, and paged decode attention (FORMAT.md §5)
 # ---------------------------------------------------------------------------------------------------
-def _check_layout(block_size: int, num_kv_heads: int, head_dim: int, bits: int, k_block_stride_bytes: int,
-                  v_block_stride_bytes: int, data_section_bytes: int) -> None:
-    """Reject page layouts smaller than the packed ones of FORMAT.md §2/§3 (pages would overlap)."""
-    _check_head_dim(head_dim)
-    _check_bits(bits)
-    k_min = k_page_bytes(block_size, num_kv_heads, head_dim)
-    data_min = v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
-    scale_bytes = v_scale_section_bytes(block_size, num_kv_heads, head_dim)
-    if k_block_stride_bytes < k_min:
-        raise ValueError(f"k_block_stride_bytes {k_block_stride_bytes} < B·n = {k_min}")
-    if data_section_bytes < data_min:
-        raise ValueError(f"v_data_section_bytes {data_section_bytes} < B·n·b/8 = {data_min}")
-    if v_block_stride_bytes < data_section_bytes + scale_bytes:
-        raise ValueError(f"v_block_stride_bytes {v_block_stride_bytes} < "
-                         f"v_data_section_bytes + B·n/16 = {data_section_bytes + scale_bytes}")
+@dataclass(frozen=True)
+class _PageLayout:
+    """The page layout of a call, checked (`_checked_layout`); strides and sections in bytes."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    bits: int
+    k_block_stride_bytes: int
+    v_block_stride_bytes: int
+    v_data_section_bytes: int
+
+    @property
+    def n(self) -> int:
+        """Elements of one token row."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def row_data_bytes(self) -> int:
+        """Packed V codes of one token row: ``n·b/8``."""
+        return self.n * self.bits // 8
+
+    @property
+    def row_scale_bytes(self) -> int:
+        """V scale bytes of one token row: ``n/16``."""
+        return self.n // GROUP_ELEMS
+
+    def num_pages(self, k_cache: Any, v_cache: Any) -> int:
+        """The pages that lie whole in both pools (a last page needs no padding after it): the page ids
+        that a slot or an attended block-table entry may name."""
+        k_page = self.block_size * self.n
+        v_page = self.v_data_section_bytes + self.block_size * self.row_scale_bytes
+        return min(_whole_pages(_pool("k_cache", k_cache).size, self.k_block_stride_bytes, k_page),
+                   _whole_pages(_pool("v_cache", v_cache).size, self.v_block_stride_bytes, v_page))
+
+
+def _whole_pages(pool_bytes: int, stride_bytes: int, page_bytes: int) -> int:
+    """The pages ``p`` with ``p·stride_bytes + page_bytes <= pool_bytes``."""
+    return 0 if pool_bytes < page_bytes else (pool_bytes - page_bytes) // stride_bytes + 1
+
+
+def _checked_layout(block_size: Any, num_kv_heads: Any, head_dim: Any, bits: Any, k_block_stride_bytes: Any,
+                    v_block_stride_bytes: Any, data_section_bytes: Any) -> _PageLayout:
+    """The library's shape rules and ``check_pool_layout``: pages at least as large as the packed ones of
+    FORMAT.md §2/§3 (else they would overlap), and a data section that leaves the scales their room."""
+    bits = _check_bits(bits)
+    block_size, num_kv_heads, head_dim = _check_page_shape(block_size, num_kv_heads, head_dim)
+    if num_kv_heads * head_dim > U32_MAX:
+        raise ValueError(f"num_kv_heads * head_dim = {num_kv_heads * head_dim} exceeds 2^32 - 1")
+    layout = _PageLayout(block_size, num_kv_heads, head_dim, bits,
+                         _scalars.unsigned("k_block_stride_bytes", k_block_stride_bytes, U64_MAX),
+                         _scalars.unsigned("v_block_stride_bytes", v_block_stride_bytes, U64_MAX),
+                         _scalars.unsigned("v_data_section_bytes", data_section_bytes, U64_MAX))
+    k_page = k_page_bytes(block_size, num_kv_heads, head_dim)
+    packed_codes = v_data_section_bytes(block_size, num_kv_heads, head_dim, bits)
+    scales = v_scale_section_bytes(block_size, num_kv_heads, head_dim)
+    if layout.k_block_stride_bytes < k_page:
+        raise ValueError(f"k_block_stride_bytes = {layout.k_block_stride_bytes} is smaller than a K page "
+                         f"({k_page} bytes)")
+    if layout.v_data_section_bytes < packed_codes:
+        raise ValueError(f"v_data_section_bytes = {layout.v_data_section_bytes} is smaller than the packed codes "
+                         f"of a page ({packed_codes} bytes)")
+    if layout.v_block_stride_bytes < layout.v_data_section_bytes + scales:
+        raise ValueError(f"v_block_stride_bytes = {layout.v_block_stride_bytes} is smaller than "
+                         f"v_data_section_bytes + the scale section ({layout.v_data_section_bytes} + {scales} bytes)")
+    return layout
+
+
+def _slots(slot_mapping: ArrayLike, num_tokens: int, layout: _PageLayout, k_cache: Any,
+           v_cache: Any) -> NDArray[np.int64]:
+    """The first ``num_tokens`` slots, ``page·B + offset`` (FORMAT.md §4): a negative one is padding, any
+    other must lie in a page of the pools (the library's checked mode skips it, its unchecked mode
+    writes and reads outside the pools)."""
+    num_pages = layout.num_pages(k_cache, v_cache)
+    slots = _index_array("slot_mapping", slot_mapping, np.int64).reshape(-1)
+    _check_entries("slot_mapping", slots, num_tokens, "num_tokens")
+    slots = slots[:num_tokens]
+    outside = slots // layout.block_size >= num_pages
+    if np.any(outside):
+        t = int(np.argmax(outside))
+        raise ValueError(f"slot_mapping[{t}] = {slots[t]} is in page {slots[t] // layout.block_size}, outside "
+                         f"the pools ({num_pages} pages)")
+    return slots
 
 
 def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8],
@@ -406,38 +466,43 @@ def write_cache(key: ArrayLike, value: ArrayLike, k_cache: NDArray[np.uint8], v_
     ``key``/``value``: float32 or bfloat16 arrays read as flat element arrays; token ``t``'s row is
     ``flat[t·key_stride : t·key_stride + n]`` (strides in elements). ``k_cache``/``v_cache``: flat uint8
     pools, edited in place. ``slot_mapping``: int64, ``slot = page·B + offset``; a negative slot writes
-    nothing. Byte addresses (all in bytes):
+    nothing, any other must lie in a page of the pools. Byte addresses (all in bytes):
       K element e:  ``page·k_block_stride_bytes + offset·n + e``                     (§2)
       V group g:    ``page·v_block_stride_bytes + offset·(n·b/8) + g·2b``            (§3)
       V scale g:    ``page·v_block_stride_bytes + v_data_section_bytes + offset·(n/16) + g``  (§3)
     No other byte is touched.
     """
-    _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
-                  v_data_section_bytes)
-    n = num_kv_heads * head_dim
-    row_data_bytes = n * bits // 8
-    row_scale_bytes = n // GROUP_ELEMS
-    key_flat = np.asarray(key).reshape(-1)
-    value_flat = np.asarray(value).reshape(-1)
-    slots = np.asarray(slot_mapping, dtype=np.int64)
+    num_tokens = _u32("num_tokens", num_tokens)
+    layout = _checked_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
+                             v_data_section_bytes)
+    n = layout.n
+    key_stride = _check_row_stride("key_stride", key_stride, n)
+    value_stride = _check_row_stride("value_stride", value_stride, n)
+    _check_k_scale(k_scale)
+    _check_k_reciprocal(k_scale)
+    _check_encoder(encoder)
+    _check_rotation(rotation, layout.head_dim)
+    slots = _slots(slot_mapping, num_tokens, layout, k_cache, v_cache)
+    key_flat = _token_rows("key", key, num_tokens, "key_stride", key_stride, n)
+    value_flat = _token_rows("value", value, num_tokens, "value_stride", value_stride, n)
     for t in range(num_tokens):
         slot = int(slots[t])
         if slot < 0:  # padding: write nothing
             continue
-        page, offset = divmod(slot, block_size)
+        page, offset = divmod(slot, layout.block_size)
 
-        k_start = page * k_block_stride_bytes + offset * n
+        k_start = page * layout.k_block_stride_bytes + offset * n
         k_cache[k_start:k_start + n] = encode_k(key_flat[t * key_stride:t * key_stride + n], k_scale)
 
         v_row = value_flat[t * value_stride:t * value_stride + n]
         if rotation:
-            v_row = rotate_f32(v_row.reshape(num_kv_heads, head_dim), head_dim).reshape(-1)
-        data, scales = encode_v(v_row, bits, encoder)
-        page_start = page * v_block_stride_bytes
-        data_start = page_start + offset * row_data_bytes
-        scale_start = page_start + v_data_section_bytes + offset * row_scale_bytes
-        v_cache[data_start:data_start + row_data_bytes] = data
-        v_cache[scale_start:scale_start + row_scale_bytes] = scales
+            v_row = rotate_f32(v_row.reshape(layout.num_kv_heads, layout.head_dim), layout.head_dim).reshape(-1)
+        data, scales = encode_v(v_row, layout.bits, encoder)
+        page_start = page * layout.v_block_stride_bytes
+        data_start = page_start + offset * layout.row_data_bytes
+        scale_start = page_start + layout.v_data_section_bytes + offset * layout.row_scale_bytes
+        v_cache[data_start:data_start + layout.row_data_bytes] = data
+        v_cache[scale_start:scale_start + layout.row_scale_bytes] = scales
 
 
 def _gather_rows(pool: NDArray[np.uint8], starts: NDArray[np.int64], row_bytes: int) -> NDArray[np.uint8]:
@@ -452,39 +517,106 @@ def dequantize_cache(k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], slo
     """``dequantize``: read ``num_tokens`` slots of the K and V pools back into bfloat16 rows.
 
     ``k_cache``/``v_cache``: flat uint8 pools, read at the byte addresses of `write_cache`.
-    ``slot_mapping``: int64, ``slot = page·B + offset``; a negative slot gives a row of zeros.
+    ``slot_mapping``: int64, ``slot = page·B + offset``; a negative slot gives a row of zeros, any
+    other must lie in a page of the pools.
     Returns ``(key, value)``, bfloat16 ``[num_tokens, n]`` each (row stride n elements), where
       K element e = ``float(E4M3(K byte e)) · k_scale``                        (`decode_k`, §2)
       V element e = ``level[code e] · float(E4M3(scale byte of group e // 16))``  (`decode_v`, §3.4)
     each product in float32, then rounded to bfloat16 (round to nearest even).
     """
-    _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
-                  v_data_section_bytes)
-    n = num_kv_heads * head_dim
-    key = np.zeros((num_tokens, n), dtype=np.float32)
-    value = np.zeros((num_tokens, n), dtype=np.float32)
-    slots = np.asarray(slot_mapping, dtype=np.int64)[:num_tokens]
+    num_tokens = _u32("num_tokens", num_tokens)
+    layout = _checked_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
+                             v_data_section_bytes)
+    _check_k_scale(k_scale)
+    slots = _slots(slot_mapping, num_tokens, layout, k_cache, v_cache)
+    key = np.zeros((num_tokens, layout.n), dtype=np.float32)
+    value = np.zeros((num_tokens, layout.n), dtype=np.float32)
     read = slots >= 0  # negative slots keep their zeros
-    pages, offsets = np.divmod(slots[read], block_size)
-    k_bytes, v_data, v_scales = _read_rows(k_cache, v_cache, pages, offsets, n, bits, k_block_stride_bytes,
-                                           v_block_stride_bytes, v_data_section_bytes)
-    key[read] = decode_k(k_bytes, k_scale)
-    value[read] = decode_v(v_data, v_scales, bits)
+    if np.any(read):  # (pools of no page may have strides that no int64 address holds)
+        pages, offsets = np.divmod(slots[read], layout.block_size)
+        k_bytes, v_data, v_scales = _read_rows(k_cache, v_cache, layout, pages, offsets)
+        key[read] = decode_k(k_bytes, k_scale)
+        value[read] = decode_v(v_data, v_scales, layout.bits)
     return key.astype(ml_dtypes.bfloat16), value.astype(ml_dtypes.bfloat16)
 
 
-def _read_rows(k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], pages: NDArray[np.int64],
-               offsets: NDArray[np.int64], n: int, bits: int, k_block_stride_bytes: int,
-               v_block_stride_bytes: int, v_data_section_bytes: int
+def _read_rows(k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], layout: _PageLayout,
+               pages: NDArray[np.int64], offsets: NDArray[np.int64]
                ) -> tuple[NDArray[np.uint8], NDArray[np.uint8], NDArray[np.uint8]]:
     """The K bytes ``[R, n]``, V codes ``[R, n·b/8]`` and V scale bytes ``[R, n/16]`` of the rows at
     ``(pages[i], offsets[i])``, from the byte addresses of `write_cache`."""
-    row_data_bytes = n * bits // 8
-    row_scale_bytes = n // GROUP_ELEMS
-    v_pages = pages * v_block_stride_bytes
-    return (_gather_rows(k_cache, pages * k_block_stride_bytes + offsets * n, n),
-            _gather_rows(v_cache, v_pages + offsets * row_data_bytes, row_data_bytes),
-            _gather_rows(v_cache, v_pages + v_data_section_bytes + offsets * row_scale_bytes, row_scale_bytes))
+    v_pages = pages * layout.v_block_stride_bytes
+    return (_gather_rows(k_cache, pages * layout.k_block_stride_bytes + offsets * layout.n, layout.n),
+            _gather_rows(v_cache, v_pages + offsets * layout.row_data_bytes, layout.row_data_bytes),
+            _gather_rows(v_cache, v_pages + layout.v_data_section_bytes + offsets * layout.row_scale_bytes,
+                         layout.row_scale_bytes))
+
+
+def _clamped_seq_lens(seq_lens: ArrayLike, num_seqs: int, table_positions: int) -> NDArray[np.int64]:
+    """The first ``num_seqs`` int32 lengths as the kernels read them (decode/ranges.cuh): one below 0 or
+    beyond the block table's ``table_positions`` is clamped to that range (the library's checked mode
+    reports it as well)."""
+    lengths = _index_array("seq_lens", seq_lens, np.int32).reshape(-1)
+    _check_entries("seq_lens", lengths, num_seqs, "num_seqs")
+    return np.clip(lengths[:num_seqs], 0, table_positions)
+
+
+def _sink_logits(sinks: ArrayLike, num_q_heads: int) -> NDArray[np.float64]:
+    logits = _float_data("sinks", sinks).astype(np.float64).reshape(-1)
+    if logits.size != num_q_heads:
+        raise ValueError(f"sinks has {logits.size} entries, not num_q_heads = {num_q_heads}")
+    return logits
+
+
+def _attended_pages(tables: NDArray[np.int64], seq: int, table_index: NDArray[np.int64],
+                    num_pages: int) -> NDArray[np.int64]:
+    """The pages ``tables[seq, table_index]`` of attended positions, each a page of the pools (the
+    library's checked mode leaves other ones out of the softmax, its unchecked mode reads outside)."""
+    pages = tables[seq, table_index]
+    outside = (pages < 0) | (pages >= num_pages)
+    if np.any(outside):
+        i = int(table_index[np.argmax(outside)])
+        raise ValueError(f"block_tables[{seq}][{i}] = {tables[seq, i]} is not a page of the pools "
+                         f"({num_pages} pages)")
+    return pages
+
+
+def _sequence_kv(k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], layout: _PageLayout,
+                 tables: NDArray[np.int64], seq: int, first: int, seq_len: int, num_pages: int,
+                 k_scale: float) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Sequence ``seq``'s K and V dequantised as `decode_k`/`decode_v` give them, then float64
+    ``[seq_len, H_kv, D]`` indexed by position. Only the attended positions ``first … seq_len − 1`` are
+    read; the others stay 0, and their block-table entries need not be pages."""
+    positions = np.arange(first, seq_len, dtype=np.int64)
+    pages = _attended_pages(tables, seq, positions // layout.block_size, num_pages)
+    k_bytes, v_data, v_scales = _read_rows(k_cache, v_cache, layout, pages, positions % layout.block_size)
+    shape = (seq_len, layout.num_kv_heads, layout.head_dim)
+    k, v = np.zeros(shape), np.zeros(shape)
+    k[first:] = decode_k(k_bytes, k_scale).astype(np.float64).reshape(-1, *shape[1:])
+    v[first:] = decode_v(v_data, v_scales, layout.bits).astype(np.float64).reshape(-1, *shape[1:])
+    return k, v
+
+
+def _window_start(end: int, sliding_window: int) -> int:
+    """The first position that a query row attending the positions before ``end`` attends (§5; 0 = off)."""
+    return end - sliding_window if 0 < sliding_window < end else 0
+
+
+def _attend(q_head: NDArray[np.float64], k: NDArray[np.float64], v: NDArray[np.float64], inv_sqrt_d: float,
+            soft_cap: float, sink: float | None, sparse_v_threshold: float) -> NDArray[np.float64]:
+    """One query head's output over its attended K and V rows ``[P, D]`` (P > 0), FORMAT.md §5 with the
+    options of `paged_decode`."""
+    scores = (k @ q_head) * float(inv_sqrt_d)
+    if soft_cap > 0:
+        scores = soft_cap * np.tanh(scores / soft_cap)
+    top = scores.max() if sink is None else max(scores.max(), sink)
+    weights = np.exp(scores - top)
+    denominator = weights.sum() + (0.0 if sink is None else np.exp(sink - top))
+    keep = np.ones(len(scores), dtype=bool)
+    if sparse_v_threshold > 0:
+        running_max = np.maximum.accumulate(scores)
+        keep = np.exp(scores - running_max) > sparse_v_threshold
+    return (weights[keep] @ v[keep]) / denominator
 
 
 def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], block_tables: ArrayLike,
@@ -501,7 +633,9 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
     ``q``: float32/bfloat16, query row ``r`` head ``h`` at flat element ``r·q_stride + h·D`` (row ``r`` =
     sequence ``r`` without ``query_start``).
     ``block_tables``: ``[num_seqs][max_blocks_per_seq]`` page ids; position ``p`` lives in page
-    ``block_tables[s, p // B]`` at offset ``p % B``. ``k_block_stride_bytes`` defaults to ``B·n``.
+    ``block_tables[s, p // B]`` at offset ``p % B``; the entries of attended positions must be pages of
+    the pools. ``seq_lens``: a length below 0 or beyond the table (``max_blocks_per_seq · B``) is
+    clamped to it, as the kernels clamp it. ``k_block_stride_bytes``: None or 0 is packed, ``B·n``.
     K and V are dequantised exactly as `decode_k`/`decode_v` (float32), then cast to float64.
     Query head ``h`` uses KV head ``h // G``; a query row attends positions ``[start, end)``: for one
     query per sequence ``end = L`` (``seq_lens[s]``), ``start = end − W`` when ``0 < W < end``, else 0;
@@ -525,65 +659,61 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
     stays in the denominator ``Σ exp(score_p − M)`` (``M`` = final maximum). Since ``m ≤ M``, a skipped
     row has ``exp(score_p − M) ≤ τ``, so ``‖out_τ − out_0‖ ≤ Σ_{p: exp(score_p − M) ≤ τ} softmax_p·‖v_p‖``.
     """
-    if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    n = num_kv_heads * head_dim
-    if k_block_stride_bytes is None:
-        k_block_stride_bytes = block_size * n
-    _check_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
-                  v_data_section_bytes)
-    if not soft_cap >= 0:
-        raise ValueError(f"soft_cap {soft_cap} must be >= 0")
-    starts = _query_starts(query_start, seq_lens, num_seqs)
-    sink_logits = None if sinks is None else np.asarray(sinks, dtype=np.float64).reshape(num_q_heads)
-    group_size = num_q_heads // num_kv_heads
-    q_flat = np.asarray(q).reshape(-1)
-    tables = np.asarray(block_tables, dtype=np.int64).reshape(num_seqs, max_blocks_per_seq)
-    out = np.zeros((int(starts[-1]), num_q_heads, head_dim), dtype=np.float64)
+    packed = k_block_stride_bytes is None or _scalars.unsigned("k_block_stride_bytes", k_block_stride_bytes,
+                                                                U64_MAX) == 0
+    if packed:  # as 0 in the C params
+        k_block_stride_bytes = k_page_bytes(block_size, num_kv_heads, head_dim)
+    layout = _checked_layout(block_size, num_kv_heads, head_dim, bits, k_block_stride_bytes, v_block_stride_bytes,
+                             v_data_section_bytes)
+    num_seqs = _u32("num_seqs", num_seqs)
+    num_q_heads = _check_q_heads(num_q_heads, layout.num_kv_heads)
+    _check_rotation(rotation, layout.head_dim)
+    max_blocks_per_seq = _check_table_width(max_blocks_per_seq, layout.block_size)
+    q_stride = _check_q_stride(q_stride, num_q_heads * layout.head_dim)
+    sliding_window = _u32("sliding_window", sliding_window)
+    _check_k_scale(k_scale)
+    _check_score_scale(inv_sqrt_d, k_scale)
+    _check_finite_non_negative("sparse_v_threshold", sparse_v_threshold)
+    _check_finite_non_negative("soft_cap", soft_cap)
+
+    tables = _block_tables(block_tables, num_seqs, max_blocks_per_seq)
+    lengths = _clamped_seq_lens(seq_lens, num_seqs, max_blocks_per_seq * layout.block_size)
+    starts = _query_starts(query_start, lengths, num_seqs)
+    num_rows, head_dim = int(starts[-1]), layout.head_dim
+    q_flat = _token_rows("q", q, num_rows, "q_stride", q_stride, num_q_heads * head_dim)
+    sink_logits = None if sinks is None else _sink_logits(sinks, num_q_heads)
+    num_pages = layout.num_pages(k_cache, v_cache)
+    group_size = num_q_heads // layout.num_kv_heads
+    out = np.zeros((num_rows, num_q_heads, head_dim), dtype=np.float64)
     for s in range(num_seqs):
-        seq_len = int(seq_lens[s])
+        seq_len = int(lengths[s])
         q_len = int(starts[s + 1] - starts[s])
         if seq_len == 0 or q_len == 0:
             continue
-        positions = np.arange(seq_len, dtype=np.int64)
-        pages = tables[s, positions // block_size]
-        offsets = positions % block_size
-
-        k_bytes, v_data, v_scales = _read_rows(k_cache, v_cache, pages, offsets, n, bits, k_block_stride_bytes,
-                                               v_block_stride_bytes, v_data_section_bytes)
-        k = decode_k(k_bytes, k_scale).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
-        v = decode_v(v_data, v_scales, bits).astype(np.float64).reshape(-1, num_kv_heads, head_dim)
-
+        first = _window_start(seq_len - q_len + 1, sliding_window)  # of the sequence's first query row
+        k, v = _sequence_kv(k_cache, v_cache, layout, tables, s, first, seq_len, num_pages, k_scale)
         for i in range(q_len):
             row = int(starts[s]) + i
             end = seq_len - q_len + i + 1
-            start = end - sliding_window if 0 < sliding_window < end else 0
+            start = _window_start(end, sliding_window)
             for h in range(num_q_heads):
                 kv_head = h // group_size
                 q_start = row * q_stride + h * head_dim
                 q_head = q_flat[q_start:q_start + head_dim].astype(np.float64)
-                scores = (k[start:end, kv_head, :] @ q_head) * float(inv_sqrt_d)
-                if soft_cap > 0:
-                    scores = soft_cap * np.tanh(scores / soft_cap)
-                top = scores.max() if sink_logits is None else max(scores.max(), sink_logits[h])
-                weights = np.exp(scores - top)
-                denominator = weights.sum() + (0.0 if sink_logits is None else np.exp(sink_logits[h] - top))
-                keep = np.ones(len(scores), dtype=bool)
-                if sparse_v_threshold > 0:
-                    running_max = np.maximum.accumulate(scores)
-                    keep = np.exp(scores - running_max) > sparse_v_threshold
-                out[row, h] = (weights[keep] @ v[start:end][keep, kv_head, :]) / denominator
+                sink = None if sink_logits is None else sink_logits[h]
+                out[row, h] = _attend(q_head, k[start:end, kv_head, :], v[start:end, kv_head, :], inv_sqrt_d,
+                                      soft_cap, sink, sparse_v_threshold)
     return unrotate(out, head_dim) if rotation else out
 
 
-def _query_starts(query_start: ArrayLike | None, seq_lens: ArrayLike, num_seqs: int) -> NDArray[np.int64]:
-    """``query_start`` checked (non-decreasing from 0, ``q_len ≤ seq_len``), or one query per sequence."""
+def _query_starts(query_start: ArrayLike | None, seq_lens: NDArray[np.int64], num_seqs: int) -> NDArray[np.int64]:
+    """``query_start`` (int32) checked (non-decreasing from 0, ``q_len ≤ seq_len``), or one query per
+    sequence; ``seq_lens``: the clamped lengths of the ``num_seqs`` sequences."""
     if query_start is None:
         return np.arange(num_seqs + 1, dtype=np.int64)
-    starts = np.asarray(query_start, dtype=np.int64).reshape(-1)
+    starts = _index_array("query_start", query_start, np.int32).reshape(-1)
     if starts.shape != (num_seqs + 1,) or starts[0] != 0 or np.any(np.diff(starts) < 0):
         raise ValueError(f"query_start must be non-decreasing from 0 with num_seqs + 1 = {num_seqs + 1} entries")
-    lengths = np.asarray(seq_lens, dtype=np.int64)[:num_seqs]
-    if np.any(np.diff(starts) > lengths):
+    if np.any(np.diff(starts) > seq_lens):
         raise ValueError("a sequence has more query tokens (query_start) than positions (seq_lens)")
     return starts
