@@ -50,6 +50,7 @@ from abi_util import EXCEPTIONS, EntryPoint, last_error, no_gpu, old_struct_size
 from conftest import gpu_unavailable_reason  # noqa: E402
 from fp8kturbov import Status, _lib  # noqa: E402
 from fp8kturbov._lib import lib  # noqa: E402
+from fp8kturbov._limits import DEFAULT_SPARSE_V_THRESHOLD  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "cuda" / "include" / "fp8kturbov.h"
@@ -732,6 +733,8 @@ def classify_float(value: Any) -> tuple[str, float | None]:
 
 
 def classify(op: str, name: str, value: Any) -> tuple[str, Any]:
+    if value is None and name in fp8kturbov.ops._LIBRARY_DEFAULTS:  # None keeps the library's default
+        return "ok", DEFAULT_SPARSE_V_THRESHOLD
     ctype = FIELD_TYPES[op][name]
     return classify_float(value) if ctype is ctypes.c_float else classify_int(value, LIMITS[ctype])
 

@@ -23,8 +23,9 @@ from fp8kturbov._device import BenchError, Device, first_line
 from fp8kturbov._limits import DEFAULT_SPARSE_V_THRESHOLD
 
 from . import compare, demo, info, model_kv, quality
-from .bench.config import (LENGTHS, MAX_Q_LEN, OPS, V_ENCODER_NAMES, V_ROTATION_NAMES, Config, parse_count,
-                           parse_counts, parse_q_len, parse_shapes)
+from .bench.config import (LENGTHS, MAX_Q_LEN, MAX_SEED, OPS, V_ENCODER_NAMES, V_ROTATION_NAMES, Config,
+                           parse_count, parse_count_or_zero, parse_counts, parse_q_len, parse_seed,
+                           parse_shapes)
 from .console import MiB
 
 PROG = "python -m fp8kturbov"
@@ -43,6 +44,13 @@ def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+#: The argparse types of the counts: each at most `bench.config.MAX_COUNT`, so that an
+#: out-of-range one is a usage error.
+COUNT = _typed(parse_count)
+COUNTS = _typed(parse_counts)
+COUNT_OR_ZERO = _typed(parse_count_or_zero)
+
+
 def _shapes_text(shapes: Sequence[tuple[int, int]]) -> str:
     return ",".join(f"{batch}x{context}" for batch, context in shapes)
 
@@ -50,12 +58,11 @@ def _shapes_text(shapes: Sequence[tuple[int, int]]) -> str:
 def add_head_arguments(parser: argparse.ArgumentParser, num_q_heads: int, num_kv_heads: int,
                        block_size: int) -> None:
     """``--q-heads``, ``--kv-heads`` and ``--block-size`` (tokens per page), with these defaults."""
-    count = _typed(parse_count)
-    parser.add_argument("--q-heads", type=count, metavar="N", default=num_q_heads,
+    parser.add_argument("--q-heads", type=COUNT, metavar="N", default=num_q_heads,
                         help=f"query heads (default: {num_q_heads})")
-    parser.add_argument("--kv-heads", type=count, metavar="N", default=num_kv_heads,
+    parser.add_argument("--kv-heads", type=COUNT, metavar="N", default=num_kv_heads,
                         help=f"KV heads (default: {num_kv_heads})")
-    parser.add_argument("--block-size", type=count, metavar="N", default=block_size,
+    parser.add_argument("--block-size", type=COUNT, metavar="N", default=block_size,
                         help=f"tokens per page (default: {block_size})")
 
 
@@ -66,35 +73,39 @@ def add_q_len_argument(parser: argparse.ArgumentParser, q_len: int) -> None:
                         f"query_start), 1..{MAX_Q_LEN} (default: {q_len})")
 
 
+def add_seed_argument(parser: argparse.ArgumentParser, seed: int) -> None:
+    """``--seed`` (of NumPy's default_rng, 0..MAX_SEED) with this default."""
+    parser.add_argument("--seed", type=_typed(parse_seed), metavar="N", default=seed,
+                        help=f"random seed, 0..{MAX_SEED} (default: {seed})")
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench``; the defaults are `fp8kturbov.tools.Config`'s."""
     d = Config()
-    counts = _typed(parse_counts)
-    count = _typed(parse_count)
     join = ",".join
     parser.add_argument("--op", choices=("decode", "write", "all"), default="all",
                         help="which operation to time (default: all)")
     parser.add_argument("--shapes", type=_typed(parse_shapes), default=d.shapes,
                         metavar="BxL,...", help="decode shapes, batch x context tokens; a 'k' "
                         f"suffix means x1024 (default: {_shapes_text(d.shapes)})")
-    parser.add_argument("--tokens", type=counts, default=d.tokens, metavar="N,...",
+    parser.add_argument("--tokens", type=COUNTS, default=d.tokens, metavar="N,...",
                         help=f"write shapes, token rows per launch (default: {join(map(str, d.tokens))})")
-    parser.add_argument("--bits", type=counts, default=d.bits, metavar="B,...",
+    parser.add_argument("--bits", type=COUNTS, default=d.bits, metavar="B,...",
                         help=f"V code widths (default: {join(map(str, d.bits))})")
-    parser.add_argument("--head-dim", type=counts, default=d.head_dims, metavar="D,...",
+    parser.add_argument("--head-dim", type=COUNTS, default=d.head_dims, metavar="D,...",
                         help=f"head dims (default: {join(map(str, d.head_dims))})")
     add_head_arguments(parser, d.num_q_heads, d.num_kv_heads, d.block_size)
-    parser.add_argument("--iters", type=count, metavar="N", default=d.iters,
+    parser.add_argument("--iters", type=COUNT, metavar="N", default=d.iters,
                         help=f"timed samples per case; the median is reported (default: {d.iters})")
-    parser.add_argument("--warmup", type=int, metavar="N", default=d.warmup,
+    parser.add_argument("--warmup", type=COUNT_OR_ZERO, metavar="N", default=d.warmup,
                         help=f"untimed launches before them (default: {d.warmup})")
-    parser.add_argument("--sets", type=count, metavar="N", default=d.sets,
+    parser.add_argument("--sets", type=COUNT, metavar="N", default=d.sets,
                         help=f"input sets rotated among, so that replays do not just hit L2 "
                         f"(default: {d.sets})")
     parser.add_argument("--sparse-v-threshold", type=float, metavar="TAU", default=d.sparse_v_threshold,
                         help=f"decode's sparse-V threshold, 0 = exact (default: {d.sparse_v_threshold:g})")
-    parser.add_argument("--seed", type=int, default=d.seed, help="random seed of the inputs")
-    parser.add_argument("--ceiling-mib", type=count, metavar="N", default=d.ceiling_bytes // MiB,
+    add_seed_argument(parser, d.seed)
+    parser.add_argument("--ceiling-mib", type=COUNT, metavar="N", default=d.ceiling_bytes // MiB,
                         help="MiB read to measure the bandwidth ceiling (and copied beside it); keep "
                         "it well above the L2 size (60 MB on an H200), or the ceiling is the L2's "
                         f"(default: {d.ceiling_bytes // MiB})")
@@ -114,7 +125,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode sequence lengths of a shape BxL: all L ('equal'), or sequence i "
                         "of B holding ceil(L * (i + 1) / B) tokens ('ramp': mixed lengths up to L, "
                         f"about half the tokens; the dense peers are not run) (default: {d.lengths})")
-    parser.add_argument("--table-positions", type=count, metavar="N", default=d.table_positions,
+    parser.add_argument("--table-positions", type=COUNT, metavar="N", default=d.table_positions,
                         help="decode block-table rows N positions wide (an engine's longest context; "
                         "N >= every L), passed as a column slice of the shape's pages "
                         "(block_tables_stride) (default: rows of the shape's pages)")
@@ -195,7 +206,8 @@ def run_compare(args: argparse.Namespace) -> int:
     """``compare``: print `fp8kturbov.tools.compare.format_comparison` of the two files (and of the
     further rounds' pairs, combined: `fp8kturbov.tools.compare.compare_runs`); with ``--max-slowdown``,
     the verdict too, and exit status 1 where a decode or write row is slower than the baseline by
-    more than that (over several rounds, by the medians)."""
+    more than that (over several rounds, by the medians) or has a time in one file only. Exit
+    status 2 where a file is not a bench JSON (the exit statuses: `fp8kturbov.tools.compare`)."""
     try:
         comparison = compare.compare_runs([(args.baseline, args.candidate), *(args.round or [])])
     except (ValueError, OSError) as exc:
@@ -205,8 +217,9 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.max_slowdown is None:
         return 0
     slower = compare.slower_than(comparison.rows, args.max_slowdown)
-    print(compare.verdict_line(slower, args.max_slowdown))
-    return 1 if slower else 0
+    unjudged = compare.unjudged_rows(comparison.rows)
+    print(compare.verdict_line(slower, unjudged, args.max_slowdown))
+    return 1 if slower or unjudged else 0
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,8 +234,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         "every round's change is listed too")
     parser.add_argument("--max-slowdown", type=_typed(compare.parse_percent), metavar="PCT",
                         help="exit with status 1 where a decode or write row is more than PCT %% "
-                        "slower than in the baseline (over several rounds: its median; default: no "
-                        "limit, status 0)")
+                        "slower than in the baseline (over several rounds: its median), or was "
+                        "measured in one file and skipped in the other (default: no limit, status 0)")
 
 
 def print_paths(args: argparse.Namespace) -> int:
@@ -286,17 +299,16 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``demo``."""
-    count = _typed(parse_count)
     parser.add_argument("--bits", type=int, choices=(2, 3, 4), default=3,
                         help="V code width (default: 3)")
-    parser.add_argument("--head-dim", type=count, metavar="D", default=128,
+    parser.add_argument("--head-dim", type=COUNT, metavar="D", default=128,
                         help="elements per head (default: 128)")
     add_head_arguments(parser, 32, 8, 16)
-    parser.add_argument("--seq-lens", type=_typed(parse_counts), metavar="L,...",
+    parser.add_argument("--seq-lens", type=COUNTS, metavar="L,...",
                         help="tokens per sequence; a 'k' suffix means x1024 (default: "
                         f"{','.join(map(str, demo.DEFAULT_SEQ_LENS))}; with --kv-file: its "
                         "seq_lens or one sequence)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    add_seed_argument(parser, 0)
     parser.add_argument("--kv-file", metavar="PATH.npz",
                         help="take K and V from arrays k, v [num_tokens, kv_heads, head_dim] "
                         "(sequences back to back; they set --kv-heads and --head-dim), and "
@@ -313,7 +325,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write and decode with this V rotation (hadamard: head_dim 128, 256, "
                         "512; default: none)")
     add_q_len_argument(parser, 1)
-    parser.add_argument("--iters", type=count, metavar="N", default=20,
+    parser.add_argument("--iters", type=COUNT, metavar="N", default=20,
                         help="timed runs per kernel; the median is reported (default: 20)")
     parser.add_argument("--cpu", action="store_true",
                         help="run the NumPy reference only, even where a GPU is usable")
@@ -323,22 +335,21 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``quality``; the defaults are `fp8kturbov.tools.quality.Config`'s."""
     d = quality.Config()
-    count = _typed(parse_count)
-    parser.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default: {d.seed})")
-    parser.add_argument("--tokens", type=count, metavar="N", default=d.tokens,
+    add_seed_argument(parser, d.seed)
+    parser.add_argument("--tokens", type=COUNT, metavar="N", default=d.tokens,
                         help=f"cached positions (default: {d.tokens})")
-    parser.add_argument("--queries", type=count, metavar="N", default=d.queries,
+    parser.add_argument("--queries", type=COUNT, metavar="N", default=d.queries,
                         help=f"query vectors per KV head (default: {d.queries})")
-    parser.add_argument("--kv-heads", type=count, metavar="N", default=d.num_kv_heads,
+    parser.add_argument("--kv-heads", type=COUNT, metavar="N", default=d.num_kv_heads,
                         help=f"KV heads (default: {d.num_kv_heads})")
-    parser.add_argument("--head-dim", type=count, metavar="D", default=d.head_dim,
+    parser.add_argument("--head-dim", type=COUNT, metavar="D", default=d.head_dim,
                         help=f"elements per head; the rotation needs 128, 256 or 512 (default: {d.head_dim})")
-    parser.add_argument("--bits", type=_typed(parse_counts), metavar="B,...", default=d.bits,
+    parser.add_argument("--bits", type=COUNTS, metavar="B,...", default=d.bits,
                         help=f"V code widths (default: {','.join(map(str, d.bits))})")
     parser.add_argument("--model", action="store_true",
                         help="also the K/V/queries of a real model, SmolLM2-135M run in NumPy (about a "
                              f"minute; install it with: {model_kv.INSTALL_HINT})")
-    parser.add_argument("--model-tokens", type=count, metavar="N", default=d.model_tokens,
+    parser.add_argument("--model-tokens", type=COUNT, metavar="N", default=d.model_tokens,
                         help="run the model over the first N tokens of its text (default: all, about 400)")
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
 
@@ -385,8 +396,11 @@ COMMANDS: tuple[tuple[str, str, str, Callable[[argparse.ArgumentParser], None] |
      "print each decode and write row's median time in both and its change, the rows of one "
      "file only, the ceiling and launch floor apart (the machine's, never slowdowns), "
      "the worst slowdown and the geometric-mean ratio; with --round, over several rounds by "
-     "the medians. Warns where the GPUs or the run options differ. Exit status 1 where a row is "
-     "slower than --max-slowdown allows, 2 where a file is not a bench JSON, else 0.",
+     "the medians. Warns where the GPUs or the run options differ. Exit status 1 where a decode "
+     "or write row is slower than --max-slowdown allows or was measured in one file and skipped "
+     "in the other; 2 where a file is not a bench JSON (unreadable, not UTF-8 JSON, another "
+     "schema, a field missing or of the wrong type, a time that is not null or a finite number "
+     "> 0), in one line naming it; else 0.",
      add_compare_arguments, run_compare),
     ("info", "library, CUDA architectures, driver and GPUs",
      "Print the library's version, ABI, path and header, the CUDA architectures "
@@ -435,5 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_paths(args)
     if args.command is None:
         parser.error("the following arguments are required: COMMAND (or --include-dir, --library)")
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except MemoryError:  # sizes within the limits that this machine cannot hold
+        _error("out of memory: the sizes asked for do not fit in this machine's memory", args.command)
+        return 1
 

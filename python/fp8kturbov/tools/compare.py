@@ -19,6 +19,21 @@ medians, and each round's own change is listed beside it. One cause of such vari
 power limit holding its clocks down: where the files have the bench's clock-limit counters
 (``clock_limited``), each side's share of the row's timing under the power cap is shown too
 (`POWER_CAP_COLUMN`), so that a change measured under different caps can be told apart.
+
+Exit statuses of ``compare`` (`fp8kturbov.tools.cli`), with ``--max-slowdown PCT`` as the
+regression gate:
+
+- 2: a file is not a bench JSON, in one line on stderr naming it and what is wrong
+  (`load_bench_json`): it cannot be read (missing, a directory), is not UTF-8, not JSON or nested
+  too deeply to parse, has another schema, or a field that compare reads is absent or of the wrong
+  type (`ROW_FIELDS`, the device's and the config's values). A time is null (the row was
+  skipped) or a finite number of µs > 0: NaN, inf, 0 or a negative time is no measurement the
+  bench writes, so such a file is refused, with or without the gate.
+- 1: the gate fails (``FAIL: ...`` on stdout, naming each row): a decode or write row of both files
+  is slower by more than PCT %, or one file measured it and the other skipped it, so that its
+  change is unknown (`unjudged_rows`). Rows skipped in both files, and rows of one file only
+  (the runs chose other cases), are listed but do not fail it.
+- 0: otherwise.
 """
 
 from __future__ import annotations
@@ -27,11 +42,12 @@ import dataclasses
 import json
 import math
 import statistics
+import typing
 from collections import Counter
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .bench.config import OPS, Config, Shape
 from .bench.rows import BENCH_SCHEMA, context_line
@@ -47,6 +63,8 @@ LATER_DECODE_FIELDS = {"q_len": 1, "lengths": "equal", "table_positions": 0, "wh
 #: Config fields that only choose which cases run: not warned about, as a case of one file only
 #: is listed as such.
 CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims")
+#: The config fields whose difference is a warning.
+COMPARED_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in CASE_SELECTION)
 #: Device fields that must agree for the times to be comparable: the GPU, and the timing gate
 #: (without it short launches include host time).
 DEVICE_FIELDS = ("name", "timing_gate")
@@ -144,19 +162,123 @@ class BenchComparison:
     rounds: int = 1
 
 
-def load_bench_json(path: str | Path) -> dict[str, Any]:
-    """The document that ``bench --json`` wrote to ``path``. Raises ValueError where it is not
-    one (OSError where it cannot be read)."""
-    try:
-        document = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
+# ---- Validation: every field compare reads, checked once, as the file is loaded ----------------
+
+_NULL = type(None)
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", _NULL: "null"}
+
+
+def _shown(value: Any) -> str:
+    """``value`` in a one-line message: a scalar as its repr (shortened), an array or an object by
+    its kind (they may be nested far too deep to print)."""
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _of(*types: type) -> Callable[[Any], str | None]:
+    """The check of a field whose value is one of ``types`` (exactly: a bool is no integer)."""
+    names = " or ".join(_TYPE_NAMES[t] for t in types)
+    return lambda value: None if type(value) in types else f"is {_shown(value)}, not {names}"
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _scalar(value: Any) -> str | None:
+    """The check of the device's values and the compared config's: JSON scalars, as the bench
+    writes them."""
+    if value is None or type(value) in (str, bool) or _is_number(value):
+        return None
+    return f"is {_shown(value)}, not a string, a number, true, false or null"
+
+
+def _time(value: Any) -> str | None:
+    """The check of a time: null where the row was not measured, else a finite number of µs > 0."""
+    if value is None or (_is_number(value) and 0 < value < math.inf):
+        return None
+    return f"is {_shown(value)}, not null or a time > 0 us"
+
+
+def _clock_limits(value: Any) -> str | None:
+    """The check of ``clock_limited``: null, or an object with a ``"power cap"`` share in 0..1."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return f"is {_shown(value)}, not null or an object"
+    share = value.get("power cap")
+    if _is_number(share) and 0 <= share <= 1:
+        return None
+    return f"has a 'power cap' of {_shown(share)}, not a share in 0..1"
+
+
+_SHAPE_TYPES = typing.get_type_hints(Shape)
+#: What compare reads of a row: per field, its check and whether a file may lack it (older files
+#: lack the `LATER_DECODE_FIELDS`, the in-graph times and the clock-limit counters). The `Shape`
+#: fields are null where they do not apply (write rows, the machine's rows).
+ROW_FIELDS: dict[str, tuple[Callable[[Any], str | None], bool]] = {
+    "op": (_of(str), False), "shape": (_of(str), False),
+    **{name: (_of(_SHAPE_TYPES[name], _NULL), name in LATER_DECODE_FIELDS)
+       for name in ROW_IDENTITY if name not in ("op", "shape")},
+    "median_us": (_time, False), "in_graph_us": (_time, True), "note": (_of(str), False),
+    "clock_limited": (_clock_limits, True)}
+
+
+def _row_problems(row: Any) -> Iterator[str]:
+    """What makes ``row`` (parsed JSON) no row of a bench JSON, in what compare reads."""
+    if not isinstance(row, dict):
+        yield f"is {_shown(row)}, not an object"
+        return
+    for name, (check, optional) in ROW_FIELDS.items():
+        if name not in row:
+            if not optional:
+                yield f"has no {name!r}"
+            continue
+        problem = check(row[name])
+        if problem:
+            yield f"{name} {problem}"
+
+
+def _document_problems(document: Any) -> Iterator[str]:
+    """What makes ``document`` (parsed JSON) no bench JSON, in what compare reads."""
     schema = document.get("schema") if isinstance(document, dict) else None
     if schema != BENCH_SCHEMA:
-        raise ValueError(f"{path}: schema {schema!r} is not {BENCH_SCHEMA!r} (the files of "
-                         "'python -m fp8kturbov bench --json PATH')")
-    if not isinstance(document.get("rows"), list):
-        raise ValueError(f"{path}: 'rows' is not a list")
+        yield (f"schema {_shown(schema)} is not {BENCH_SCHEMA!r} (the files of "
+               "'python -m fp8kturbov bench --json PATH')")
+        return
+    for name, kind, what in (("rows", list, "a list"), ("device", dict, "an object"),
+                             ("config", dict, "an object")):
+        if name not in document:
+            yield f"has no {name!r}"
+            return
+        if not isinstance(document[name], kind):
+            yield f"{name!r} is not {what} but {_shown(document[name])}"
+            return
+    config = document["config"]
+    yield from (f"device {name!r} {problem}" for name, value in document["device"].items()
+                if (problem := _scalar(value)))
+    yield from (f"config {name!r} {problem}" for name in COMPARED_CONFIG_FIELDS
+                if name in config and (problem := _scalar(config[name])))
+    for index, row in enumerate(document["rows"]):
+        yield from (f"rows[{index}] {problem}" for problem in _row_problems(row))
+
+
+def load_bench_json(path: str | Path) -> dict[str, Any]:
+    """The document that ``bench --json`` wrote to ``path``. Raises ValueError naming ``path``
+    where it is not one (see the module docstring), OSError where it cannot be read."""
+    try:
+        document = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a bench JSON") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    problem = next(_document_problems(document), None)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     return document
 
 
@@ -274,9 +396,7 @@ def context_warnings(baseline: dict[str, Any], candidate: dict[str, Any]) -> lis
     """One warning line where the documents' devices (`DEVICE_FIELDS`) differ, one where their
     configs do (every `Config` field but `CASE_SELECTION`): the times may differ for that."""
     devices = _differences(baseline["device"], candidate["device"], DEVICE_FIELDS)
-    options = _differences(baseline["config"], candidate["config"],
-                           [f.name for f in dataclasses.fields(Config)
-                            if f.name not in CASE_SELECTION])
+    options = _differences(baseline["config"], candidate["config"], COMPARED_CONFIG_FIELDS)
     warnings = []
     if devices:
         warnings.append(f"warning: the devices differ ({devices}): the times may not be comparable")
@@ -341,7 +461,13 @@ def summary_line(records: Iterable[RowComparison]) -> str:
     if not measured:
         return "no decode or write row was measured in both files"
     worst = max(measured, key=lambda r: r.ratio)
-    mean = statistics.geometric_mean(r.ratio for r in measured)
+    # From the times' logs: the ratio of two extreme times can underflow to 0, which
+    # statistics.geometric_mean refuses.
+    log_mean = statistics.fmean(math.log(r.candidate_us) - math.log(r.baseline_us) for r in measured)
+    try:
+        mean = math.exp(log_mean)
+    except OverflowError:  # a mean ratio beyond the floats
+        mean = math.inf
     return (f"worst slowdown: {_signed(worst.change_pct)} % ({worst.describe()}); geometric-mean "
             f"ratio candidate/baseline over {len(measured)} decode/write rows: {mean:.4f} "
             f"({_signed(100.0 * (mean - 1.0))} %)")
@@ -380,11 +506,25 @@ def slower_than(records: Iterable[RowComparison], max_slowdown_pct: float) -> li
             if r.is_case and r.change_pct is not None and r.change_pct > max_slowdown_pct]
 
 
-def verdict_line(slower: Sequence[RowComparison], max_slowdown_pct: float) -> str:
-    """``PASS: ...`` where no row is in ``slower`` (`slower_than`), else ``FAIL: ...`` naming
-    each with its change, %."""
+def unjudged_rows(records: Iterable[RowComparison]) -> list[RowComparison]:
+    """The decode and write rows of both files that one measured and the other skipped: their
+    change is unknown, so the gate fails on them rather than pass them."""
+    return [r for r in records
+            if r.is_case and not r.only_in and (r.baseline_us is None) != (r.candidate_us is None)]
+
+
+def verdict_line(slower: Sequence[RowComparison], unjudged: Sequence[RowComparison],
+                 max_slowdown_pct: float) -> str:
+    """``PASS: ...`` where no row is in ``slower`` (`slower_than`) or ``unjudged``
+    (`unjudged_rows`), else ``FAIL: ...`` naming each, with its change, % (or why it has none)."""
     limit = f"{max_slowdown_pct:g} %"
-    if not slower:
+    if not slower and not unjudged:
         return f"PASS: no decode or write row is slower by more than {limit}"
-    named = ", ".join(f"{r.describe()} ({_signed(r.change_pct)} %)" for r in slower)
-    return f"FAIL: {len(slower)} decode/write row(s) slower by more than {limit}: {named}"
+    failures = []
+    if slower:
+        named = ", ".join(f"{r.describe()} ({_signed(r.change_pct)} %)" for r in slower)
+        failures.append(f"{len(slower)} decode/write row(s) slower by more than {limit}: {named}")
+    if unjudged:
+        named = ", ".join(f"{r.describe()} ({r.note})" for r in unjudged)
+        failures.append(f"{len(unjudged)} decode/write row(s) without a time in one file: {named}")
+    return f"FAIL: {'; '.join(failures)}"

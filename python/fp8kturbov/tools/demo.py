@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -22,7 +23,7 @@ from fp8kturbov._device import BenchError, Device, cu, driver_call, first_line
 from fp8kturbov._limits import ROTATION_HEAD_DIMS
 
 from .bench import launches, timing
-from .bench.config import Shape, gbps
+from .bench.config import MAX_C_FLOAT, Shape, gbps, nonnegative_problem
 from .console import progress
 
 DEFAULT_SEQ_LENS = (2048, 1500, 640, 37)
@@ -32,6 +33,9 @@ OUTLIER_ROW_SHARE, OUTLIER_GAIN = 1 / 64, 10.0
 #: reference decode of the same cache (the bound of the GPU test suite).
 DECODE_REL_TOL = 1e-2
 DEMO_WARMUP = 3
+#: The arrays a ``--kv-file`` may hold: the kind of number each holds, and its dimensions.
+KV_FILE_ARRAYS = {"k": (np.floating, 3), "v": (np.floating, 3), "q": (np.floating, 3),
+                  "seq_lens": (np.integer, 1)}
 
 
 def _bf16() -> Any:
@@ -103,18 +107,48 @@ def random_kv(rng: np.random.Generator, num_tokens: int, num_kv_heads: int,
     return kv[0], kv[1]
 
 
+def _finite_in_bf16(array: np.ndarray) -> bool:
+    """Whether every value of ``array`` stays finite in bf16, the demo's input type (a value
+    beyond its range rounds to inf there)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(array.astype(_bf16())).all())
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    """The `KV_FILE_ARRAYS` that the ``.npz`` archive ``path`` holds. Raises ValueError naming
+    ``path`` where it is no such archive (truncated, a single ``.npy`` array, pickled objects),
+    OSError where it cannot be read."""
+    try:
+        npz = np.load(path)
+        if not isinstance(npz, np.lib.npyio.NpzFile):  # a .npy file
+            raise ValueError("a single array, not an archive of named arrays")
+        with npz:
+            return {name: npz[name] for name in KV_FILE_ARRAYS if name in npz.files}
+    except (ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: not a readable .npz archive ({first_line(exc)})") from None
+
+
 def load_kv_file(path: str) -> dict[str, np.ndarray]:
     """The arrays of a ``--kv-file``: ``k`` and ``v`` (float, ``[num_tokens, num_kv_heads,
     head_dim]``, the sequences back to back), optionally ``seq_lens`` (int, tokens per sequence)
-    and ``q`` (float, ``[num_seqs * q_len, num_q_heads, head_dim]``). Raises ValueError or
-    OSError."""
-    with np.load(path) as npz:
-        missing = {"k", "v"} - set(npz.files)
-        if missing:
-            raise ValueError(f"{path} has no {' or '.join(sorted(missing))} array "
-                             "(k and v: [num_tokens, num_kv_heads, head_dim])")
-        arrays = {name: npz[name] for name in ("k", "v", "q", "seq_lens") if name in npz.files}
-    if arrays["k"].ndim != 3 or arrays["k"].shape != arrays["v"].shape:
+    and ``q`` (float, ``[num_seqs * q_len, num_q_heads, head_dim]``), every float finite in bf16.
+    Raises ValueError or OSError."""
+    arrays = _read_npz(path)
+    missing = {"k", "v"} - set(arrays)
+    if missing:
+        raise ValueError(f"{path} has no {' or '.join(sorted(missing))} array "
+                         "(k and v: [num_tokens, num_kv_heads, head_dim])")
+    for name, array in arrays.items():
+        kind, ndim = KV_FILE_ARRAYS[name]
+        if not np.issubdtype(array.dtype, kind):
+            raise ValueError(f"{path}: {name} holds {array.dtype}, not "
+                             f"{'floats' if kind is np.floating else 'integers'}")
+        if array.ndim != ndim or 0 in array.shape[1:]:
+            raise ValueError(f"{path}: {name} {array.shape} must have {ndim} dimension(s), "
+                             "all but the first of them non-empty")
+        if kind is np.floating and not _finite_in_bf16(array):
+            raise ValueError(f"{path}: {name} holds NaN, inf or values beyond bf16's range")
+    if arrays["k"].shape != arrays["v"].shape:
         raise ValueError(f"{path}: k {arrays['k'].shape} and v {arrays['v'].shape} must both be "
                          "[num_tokens, num_kv_heads, head_dim]")
     return arrays
@@ -154,8 +188,10 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
     """The case of ``demo``'s options: random K/V, or ``--kv-file``'s arrays (whose shapes then
     replace ``--kv-heads``/``--head-dim``; its ``seq_lens`` replace ``--seq-lens``, whose default
     there is one sequence). Random q where none is given. Raises ValueError or OSError."""
-    if not args.sparse_v_threshold >= 0:
-        raise ValueError(f"--sparse-v-threshold {args.sparse_v_threshold} must be >= 0")
+    problem = (nonnegative_problem("--sparse-v-threshold", args.sparse_v_threshold, MAX_C_FLOAT)
+               or nonnegative_problem("--soft-cap", args.soft_cap, MAX_C_FLOAT))
+    if problem:
+        raise ValueError(problem)
     rng = np.random.default_rng(args.seed)
     if args.kv_file:
         given = load_kv_file(args.kv_file)
@@ -169,8 +205,6 @@ def build_demo_case(args: argparse.Namespace) -> DemoCase:
     if q is None:
         q = rng.standard_normal((len(seq_lens) * args.q_len, args.q_heads, keys.shape[2]),
                                 dtype=np.float32)
-    if not 0 <= args.soft_cap < float("inf"):
-        raise ValueError(f"--soft-cap {args.soft_cap} must be finite and >= 0")
     case = make_case(keys, values, q, seq_lens, args.bits, args.block_size, rng, args.q_len)
     sinks = (2 * rng.standard_normal(case.q.shape[1])).astype(np.float32) if args.sinks else None
     if args.v_rotation != "none" and case.layout.head_dim not in ROTATION_HEAD_DIMS:

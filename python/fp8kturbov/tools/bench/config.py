@@ -4,6 +4,7 @@ bandwidths in GB/s of 1e9 bytes)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,21 +30,75 @@ BF16_BYTES = 2
 #: Share of the free device memory a case (or a peer) may take; the rest is slack for the
 #: allocator's rounding and whatever torch keeps cached.
 MEMORY_HEADROOM = 0.9
+#: The most of any count the command line takes (tokens, sequences, heads, elements, samples): the
+#: C ABI holds sequence lengths, block-table page ids and query_start as int32 positions, its other
+#: counts as uint32, so every count up to this one fits wherever the library takes it.
+MAX_COUNT = 2**31 - 1
+#: The most of a seed. NumPy's default_rng takes any integer >= 0; the bench's JSON records the seed,
+#: and its readers hold 64-bit integers.
+MAX_SEED = 2**64 - 1
+#: The largest value of the C ABI's float parameters (float32: sparse_v_threshold, soft_cap); a
+#: larger double is inf there.
+MAX_C_FLOAT = float(np.finfo(np.float32).max)
 
 
-def parse_count(text: str) -> int:
-    """A positive integer, optionally with a ``k`` suffix (x1024): ``"32768"``, ``"32k"``."""
+def _decimal(digits: str, most: int) -> int | None:
+    """The value of ASCII decimal ``digits`` where it is at most ``most``, else None (also for
+    text that is not such digits). Measured by its length first: Python refuses to convert very
+    long digit strings."""
+    significant = digits.lstrip("0") or "0"
+    if not (digits.isascii() and digits.isdigit()) or len(significant) > len(str(most)):
+        return None
+    value = int(significant)
+    return value if value <= most else None
+
+
+def _parse_count(text: str, zero_allowed: bool) -> int:
+    """An integer in ``0..MAX_COUNT`` (``1..`` unless ``zero_allowed``), optionally with a ``k``
+    suffix (x1024)."""
     body = text.strip().lower()
     scale = 1024 if body.endswith("k") else 1
     digits = body[:-1] if scale > 1 else body
-    if not digits.isdigit() or int(digits) == 0:
-        raise ValueError(f"{text!r} is not a positive integer (a 'k' suffix means x1024)")
-    return int(digits) * scale
+    if not (digits.isascii() and digits.isdigit()) or not (zero_allowed or digits.strip("0")):
+        kind = "an integer >= 0" if zero_allowed else "a positive integer"
+        raise ValueError(f"{text!r} is not {kind} (a 'k' suffix means x1024)")
+    value = _decimal(digits, MAX_COUNT // scale)
+    if value is None:
+        raise ValueError(f"{text!r} is more than {MAX_COUNT}, the most the library's int32 positions hold")
+    return value * scale
+
+
+def parse_count(text: str) -> int:
+    """A positive integer up to `MAX_COUNT`, optionally with a ``k`` suffix (x1024): ``"32768"``,
+    ``"32k"``."""
+    return _parse_count(text, zero_allowed=False)
+
+
+def parse_count_or_zero(text: str) -> int:
+    """A `parse_count` that may be 0: ``"0"``, ``"20"``."""
+    return _parse_count(text, zero_allowed=True)
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
     """A comma-separated list of `parse_count` values: ``"128,256"``."""
     return tuple(parse_count(item) for item in text.split(","))
+
+
+def parse_seed(text: str) -> int:
+    """A random seed: an integer in ``0..MAX_SEED`` (what NumPy's default_rng takes)."""
+    value = _decimal(text.strip(), MAX_SEED)
+    if value is None:
+        raise ValueError(f"{text!r} is not a seed: an integer in 0..{MAX_SEED}")
+    return value
+
+
+def nonnegative_problem(name: str, value: float, most: float = math.inf) -> str | None:
+    """Why ``value``, the option or field ``name``, is not a finite number in ``0..most``; None
+    where it is one. NaN and inf never are."""
+    if 0 <= value <= most and math.isfinite(value):
+        return None
+    limit = "" if most == math.inf else f" and at most {most:.4g}"
+    return f"{name} = {value} must be finite, >= 0{limit}"
 
 
 def parse_q_len(text: str) -> int:
@@ -120,14 +175,12 @@ class Config:
         if self.num_kv_heads >= 1 and self.num_q_heads % self.num_kv_heads:
             problems.append(f"num_q_heads = {self.num_q_heads} is not a multiple of "
                             f"num_kv_heads = {self.num_kv_heads}")
-        if not self.sparse_v_threshold >= 0:
-            problems.append(f"sparse_v_threshold = {self.sparse_v_threshold} must be >= 0")
+        problems += filter(None, [
+            nonnegative_problem("sparse_v_threshold", self.sparse_v_threshold, MAX_C_FLOAT),
+            nonnegative_problem("soft_cap", self.soft_cap, MAX_C_FLOAT),
+            nonnegative_problem("power_window_s", self.power_window_s)])
         if self.v_encoder not in V_ENCODER_NAMES:
             problems.append(f"v_encoder {self.v_encoder!r} is not one of {V_ENCODER_NAMES}")
-        if not 0 <= self.power_window_s < float("inf"):
-            problems.append(f"power_window_s = {self.power_window_s} must be finite and >= 0")
-        if not 0 <= self.soft_cap < float("inf"):
-            problems.append(f"soft_cap = {self.soft_cap} must be finite and >= 0")
         if self.v_rotation not in V_ROTATION_NAMES:
             problems.append(f"v_rotation {self.v_rotation!r} is not one of {V_ROTATION_NAMES}")
         elif self.v_rotation != "none":
