@@ -31,6 +31,7 @@ from . import _device
 from ._errors import ArgumentError, InvalidValueError, Status
 from ._lib import VEncoder, VRotation
 from ._limits import MAX_Q_LEN, ROTATION_HEAD_DIMS
+from ._scalars import U64_MAX, integer
 from .layout import CacheLayout
 
 
@@ -102,11 +103,10 @@ def _cai_dtype(typestr: str) -> tuple[str, int]:
 #: The CUDA Array Interface versions read (3 added "stream"), and the values its "stream" may not
 #: take: 0 is ambiguous (legacy or per-thread default), which version 3 forbids.
 CAI_VERSIONS = (0, 1, 2, 3)
-_U64_LIMIT = 2**64
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    return integer(value) is not None
 
 
 def _cai_ints(value: Any, count: int | None) -> bool:
@@ -136,7 +136,7 @@ def _check_cai(name: str, interface: Any) -> None:
         raise refuse(f"typestr {interface['typestr']!r}", "a string")
     data = interface["data"]
     if (not isinstance(data, (tuple, list)) or len(data) != 2 or not _is_int(data[0])
-            or not 0 <= int(data[0]) < _U64_LIMIT or not isinstance(data[1], (bool, np.bool_))):
+            or not 0 <= int(data[0]) <= U64_MAX or not isinstance(data[1], (bool, np.bool_))):
         raise refuse(f"data {data!r}", "(pointer, read-only flag): an int in [0, 2^64) and a bool")
     strides = interface.get("strides")
     if strides is not None and not _cai_ints(strides, len(shape)):
@@ -145,7 +145,7 @@ def _check_cai(name: str, interface: Any) -> None:
         stream = interface["stream"]
         if int(version) < 3:
             raise refuse(f"stream in version {version}", "no stream before version 3")
-        if not _is_int(stream) or not 0 < int(stream) < _U64_LIMIT:
+        if not _is_int(stream) or not 0 < int(stream) <= U64_MAX:
             raise refuse(f"stream {stream!r}", "None or a handle in [1, 2^64) (0 is not allowed)")
 
 

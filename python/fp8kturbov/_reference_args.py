@@ -12,7 +12,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _scalars
 from ._limits import ROTATION_HEAD_DIMS
-from ._scalars import U32_MAX
+from ._scalars import I32_MAX, U32_MAX
 
 GROUP_ELEMS = 16
 """Elements per V group (one scale byte each), FORMAT.md §3."""
@@ -20,8 +20,6 @@ V_BITS = (2, 3, 4)
 """The V code widths of FORMAT.md §3 (the keys of `reference.CODEBOOKS`)."""
 V_ENCODERS = ("matched_norm", "mse")
 """Values of `reference.encode_v`'s ``encoder``; the first is the default (FORMAT.md §3.2)."""
-_MAX_POSITIONS = 2**31 - 1
-"""Most positions a block table may span (``max_blocks_per_seq · block_size``, the kernels' int32)."""
 _MAX_Q_HEADS = 65535
 """Most query heads of a decode (a grid dimension of the kernels)."""
 
@@ -209,9 +207,9 @@ def _check_q_heads(num_q_heads: Any, num_kv_heads: int) -> int:
 
 
 def _check_table_width(max_blocks_per_seq: Any, block_size: int) -> int:
-    """``max_blocks_per_seq``: at least one page, and at most `_MAX_POSITIONS` positions per table row."""
+    """``max_blocks_per_seq``: at least one page, and at most `I32_MAX` positions per table row (the kernels' int32)."""
     value = _check_nonzero("max_blocks_per_seq", max_blocks_per_seq)
-    if value * block_size > _MAX_POSITIONS:
+    if value * block_size > I32_MAX:
         raise ValueError(f"max_blocks_per_seq * block_size = {value} * {block_size} exceeds 2^31 - 1 positions")
     return value
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from ._errors import InvalidValueError, Status
 
+I32_MAX = 2**31 - 1  # the C ABI's int32 positions (sequence lengths, page ids, query_start)
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 F32_MAX = 3.4028234663852886e38

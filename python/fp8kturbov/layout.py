@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ._errors import InvalidValueError, Status
 from ._lib import library
 from ._limits import DEFAULT_V_BITS
-from ._scalars import integer
+from ._scalars import U32_MAX, integer
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class CacheLayout:
             value = integer(getattr(self, name))
             object.__setattr__(self, name, getattr(self, name) if value is None else value)
         shape = (self.block_size, self.num_kv_heads, self.head_dim)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**32
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= U32_MAX
                    for v in (*shape, self.v_bits)):
             raise InvalidValueError(
                 Status.INVALID_VALUE,

@@ -11,6 +11,7 @@ import numpy as np
 
 from fp8kturbov import VEncoder, VRotation
 from fp8kturbov._limits import DEFAULT_SPARSE_V_THRESHOLD, MAX_Q_LEN, ROTATION_HEAD_DIMS
+from fp8kturbov._scalars import F32_MAX, I32_MAX, U64_MAX
 
 from ..console import GiB
 from .kernels import READ_ALIGNMENT
@@ -33,13 +34,13 @@ MEMORY_HEADROOM = 0.9
 #: The most of any count the command line takes (tokens, sequences, heads, elements, samples): the
 #: C ABI holds sequence lengths, block-table page ids and query_start as int32 positions, its other
 #: counts as uint32, so every count up to this one fits wherever the library takes it.
-MAX_COUNT = 2**31 - 1
+MAX_COUNT = I32_MAX
 #: The most of a seed. NumPy's default_rng takes any integer >= 0; the bench's JSON records the seed,
 #: and its readers hold 64-bit integers.
-MAX_SEED = 2**64 - 1
+MAX_SEED = U64_MAX
 #: The largest value of the C ABI's float parameters (float32: sparse_v_threshold, soft_cap); a
 #: larger double is inf there.
-MAX_C_FLOAT = float(np.finfo(np.float32).max)
+MAX_C_FLOAT = F32_MAX
 
 
 def _decimal(digits: str, most: int) -> int | None:

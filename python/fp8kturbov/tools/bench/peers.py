@@ -298,7 +298,10 @@ def best_fp8_peer(results: dict[str, dict[str, Any]]) -> tuple[str, float] | Non
     or None where none ran."""
     ran = [(results[name]["median_us"], name) for name in FP8_PEERS
            if results.get(name, {}).get("status") == "ok"]
-    return (min(ran)[1], min(ran)[0]) if ran else None
+    if not ran:
+        return None
+    median_us, name = min(ran)
+    return name, median_us
 
 
 #: Each peer times its decode of a shape (and with a `PowerProbe` measures its power): (bytes, timing).
