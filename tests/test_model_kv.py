@@ -146,9 +146,9 @@ def test_model_rows_sum_errors_over_layers(monkeypatch: pytest.MonkeyPatch) -> N
     kv = fake_capture(layers=3, tokens=20)
     monkeypatch.setattr(M, "capture_kv", lambda text=M.DEFAULT_TEXT, max_tokens=None: kv)
     rows = quality.run_quality(quality.Config(distributions=(), model=True, bits=(3,)))
-    # D = 64: no rotation rows; 3 peers + 1 width x 2 encoders
+    # D = 64: no rotation rows; 3 peers + 1 width x 3 encoders
     assert [(r["v_format"], r["encoder"]) for r in rows] == [
-        ("fp8_k", None), ("fp8_kv", None), ("nvfp4_v", None), ("turbo3v", "matched_norm"), ("turbo3v", "mse")]
+        ("fp8_k", None), ("fp8_kv", None), ("nvfp4_v", None), ("turbo3v", "matched_norm"), ("turbo3v", "mse"), ("turbo3v", "projection")]
     assert all(r["distribution"] == quality.MODEL_DATA for r in rows)
     fp8_kv = rows[1]
     v_err = v_norm = o_err = o_norm = 0.0

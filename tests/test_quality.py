@@ -275,8 +275,8 @@ def test_quality_command_prints_every_row(tmp_path: pathlib.Path, capsys: pytest
     text = capsys.readouterr().out
     assert "no real-model rows" in text  # said where --model is not given
     rows = json.loads(path.read_text())["rows"]
-    # per distribution: 3 peers + 3 widths x 2 encoders x 2 rotations
-    assert len(rows) == 3 * (3 + 3 * 2 * 2)
+    # per distribution: 3 peers + 3 widths x the encoders x 2 rotations
+    assert len(rows) == 3 * (3 + 3 * len(R.V_ENCODERS) * 2)
     table_rows = [line for line in text.splitlines() if line.split()[:1] and line.split()[0] in quality.DISTRIBUTIONS]
     assert len(table_rows) == len(rows)
     for r in rows:

@@ -18,7 +18,7 @@ GROUP_ELEMS = 16
 """Elements per V group (one scale byte each), FORMAT.md §3."""
 V_BITS = (2, 3, 4)
 """The V code widths of FORMAT.md §3 (the keys of `reference.CODEBOOKS`)."""
-V_ENCODERS = ("matched_norm", "mse")
+V_ENCODERS = ("matched_norm", "mse", "projection")
 """Values of `reference.encode_v`'s ``encoder``; the first is the default (FORMAT.md §3.2)."""
 _MAX_Q_HEADS = 65535
 """Most query heads of a decode (a grid dimension of the kernels)."""

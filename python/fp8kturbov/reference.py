@@ -36,7 +36,7 @@ __all__ = [
     "k_page_bytes", "v_data_section_bytes", "v_scale_section_bytes", "v_page_bytes", "v_group_bytes",
     "e4m3_encode", "e4m3_decode", "encode_k", "decode_k", "pack_codes", "unpack_codes",
     "encode_v", "decode_v", "write_cache", "dequantize_cache", "paged_decode",
-    "V_ENCODERS", "MSE_CANDIDATE_BYTES", "ROTATION_DIMS", "rotation_signs", "hadamard", "rotate", "unrotate",
+    "V_ENCODERS", "MSE_CANDIDATE_BYTES", "PROJECTION_CANDIDATE_BYTES", "ROTATION_DIMS", "rotation_signs", "hadamard", "rotate", "unrotate",
 ]
 
 E4M3_MAX = 448.0
@@ -175,15 +175,17 @@ def encode_v(x: ArrayLike, bits: int, encoder: str = "matched_norm") -> tuple[ND
     ``x``: float32 or bfloat16 ``[..., n]`` with ``n % 16 == 0`` (elements). Returns ``(data, scales)``:
     uint8 ``[..., n·b/8]`` packed codes and uint8 ``[..., n/16]`` E4M3 scale bytes. Every step is one
     float32 numpy operation and the sums run sequentially over i = 0..15, as in the original engine.
-    ``encoder="mse"`` selects `_encode_v_mse_groups` (same byte format, same decoder; never the default).
+    ``encoder="mse"`` selects `_encode_v_mse_groups`, ``encoder="projection"`` `_encode_v_projection_groups`
+    (same byte format, same decoder; never the default).
     """
     bits = _check_bits(bits)
     _check_encoder(encoder)
     x = _float_data("x", x).astype(np.float32)
     n = _check_last_axis("x", x, GROUP_ELEMS, "elements")
     xg = x.reshape(*x.shape[:-1], n // GROUP_ELEMS, GROUP_ELEMS)
-    if encoder == "mse":
-        codes, scale_bytes = _encode_v_mse_groups(xg.reshape(-1, GROUP_ELEMS), bits)
+    searches = {"mse": _encode_v_mse_groups, "projection": _encode_v_projection_groups}
+    if encoder in searches:
+        codes, scale_bytes = searches[encoder](xg.reshape(-1, GROUP_ELEMS), bits)
         return (pack_codes(codes.reshape(x.shape), bits),
                 scale_bytes.reshape(xg.shape[:-1]))
     group_shape = xg.shape[:-1]
@@ -274,6 +276,67 @@ def _encode_v_mse_groups(xg: NDArray[np.float32], bits: int) -> tuple[NDArray[np
         best_codes[fallback] = unpack_codes(data, bits).reshape(-1, GROUP_ELEMS)
         best_byte[fallback] = fb_scales
     return best_codes, best_byte.astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The projection-keeping V encoder (an option allowed by FORMAT.md §3.2; same bytes format, same decoder)
+# ---------------------------------------------------------------------------------------------------
+PROJECTION_CANDIDATE_BYTES: NDArray[np.uint8] = np.arange(0x01, 0x7F, dtype=np.uint8)
+"""Scale bytes whose codes the projection encoder tries, in this (ascending) order: every positive finite
+E4M3 byte 0x01 ... 0x7E (2^-9 ... 448)."""
+
+
+def _encode_v_projection_groups(xg: NDArray[np.float32], bits: int) -> tuple[NDArray[np.uint8], NDArray[np.uint8]]:
+    """Codes of the least angle to the group, scaled so that the decoded group keeps the input's projection;
+    float32 groups ``[G, 16]`` → codes ``[G, 16]`` and scale bytes ``[G]``.
+
+    Why: attention averages each position's independent error away, but not a shrink common to all of
+    them; the matched-norm and MSE encoders decode a group ``x`` as about ``α·x`` plus noise with
+    ``α = ⟨x̂, x⟩/‖x‖² < 1`` (cos θ and cos² θ of the codes' angle θ). Here ``α = 1`` up to the rounding of
+    the scale byte, with the codes of the least angle found among the candidates.
+
+    The exact rule (a kernel must reproduce it byte for byte; all float32, round to nearest, no FMA):
+      ``xx = ((0 + x_0·x_0) + x_1·x_1) + … + x_15·x_15`` (each product and sum rounded, sequentially);
+      for every candidate byte ``c`` in 0x01, 0x02, ..., 0x7E, in that order, with ``s = float(E4M3(c))``:
+        ``code_i`` = number of bounds ``β`` with ``x_i / s ≥ β`` (IEEE division; the §3.2 step-3 rule);
+        ``dot = Σ level[code_i]·x_i``, ``ll = Σ level[code_i]·level[code_i]`` (sequential, as ``xx``);
+        ``q = dot / sqrt(ll)`` (IEEE square root and division);
+      keep the candidate's codes and ``dot`` when ``q > best`` (strict; ``best`` starts at −inf), so ties
+      go to the smaller byte; then ``s = xx / dot``, ``s = min(s, 448)`` (a compare), byte = E4M3_rn_satfinite(s).
+    A group where ``xx`` is not finite or the best ``q`` is not finite and > 0 — it holds NaN or ±inf, is
+    all zero, or so large or so small that the sums overflow or vanish — gets the matched-norm bytes.
+    """
+    levels, bounds = CODEBOOKS[bits], BOUNDS[bits]
+    num_groups = xg.shape[0]
+    best_q = np.full(num_groups, -np.inf, dtype=np.float32)
+    best_dot = np.zeros(num_groups, dtype=np.float32)
+    best_codes = np.zeros((num_groups, GROUP_ELEMS), dtype=np.uint8)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        xx = np.zeros(num_groups, dtype=np.float32)
+        for i in range(GROUP_ELEMS):
+            xx = xx + xg[:, i] * xg[:, i]
+        for s in e4m3_decode(PROJECTION_CANDIDATE_BYTES):
+            codes = np.searchsorted(bounds, xg / s, side="right").astype(np.uint8)  # #{β ≤ x/s}
+            dot = np.zeros(num_groups, dtype=np.float32)
+            ll = np.zeros(num_groups, dtype=np.float32)
+            for i in range(GROUP_ELEMS):
+                level = levels[codes[:, i]]
+                dot = dot + level * xg[:, i]
+                ll = ll + level * level
+            q = dot / np.sqrt(ll)
+            better = q > best_q
+            best_q = np.where(better, q, best_q)
+            best_dot = np.where(better, dot, best_dot)
+            best_codes[better] = codes[better]
+        scale = xx / best_dot
+        scale = np.where(scale > np.float32(E4M3_MAX), np.float32(E4M3_MAX), scale)
+    best_byte = e4m3_encode(scale)
+    fallback = ~(np.isfinite(xx) & np.isfinite(best_q) & (best_q > 0))
+    if np.any(fallback):
+        data, fb_scales = encode_v(xg[fallback].reshape(-1), bits)
+        best_codes[fallback] = unpack_codes(data, bits).reshape(-1, GROUP_ELEMS)
+        best_byte[fallback] = fb_scales
+    return best_codes, best_byte
 
 
 # ---------------------------------------------------------------------------------------------------

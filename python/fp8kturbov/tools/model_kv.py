@@ -226,28 +226,48 @@ def attention(q: NDArray[np.floating], k: NDArray[np.floating], v: NDArray[np.fl
     return np.einsum("qhl,lhd->qhd", weights, v_per_q)
 
 
+def attention_inputs(weights: LlamaWeights, layer: dict[str, NDArray[np.float32]], x: NDArray[np.float32]
+                     ) -> tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.float32]]:
+    """One layer's queries, K (both after RoPE) and V for the residual stream ``x [tokens, hidden]``:
+    ``[tokens, heads, head_dim]`` each, what the layer's attention reads and its cache holds."""
+    w = weights
+    tokens, head_dim = x.shape[0], w.head_dim
+    h = rms_norm(x, layer["attn_norm"], w.norm_eps)
+    q = rope((h @ layer["attn_q"].T).reshape(tokens, w.num_q_heads, head_dim), w.rope_base)
+    k = rope((h @ layer["attn_k"].T).reshape(tokens, w.num_kv_heads, head_dim), w.rope_base)
+    v = (h @ layer["attn_v"].T).reshape(tokens, w.num_kv_heads, head_dim)
+    return q, k, v
+
+
+def layer_output(weights: LlamaWeights, layer: dict[str, NDArray[np.float32]], x: NDArray[np.float32],
+                 attended: NDArray[np.float32]) -> NDArray[np.float32]:
+    """The residual stream after one layer, given its attention output ``attended [tokens, q heads,
+    head_dim]``: the output projection added, then the SwiGLU MLP."""
+    x = x + attended.reshape(x.shape[0], -1) @ layer["attn_output"].T
+    h = rms_norm(x, layer["ffn_norm"], weights.norm_eps)
+    gate = h @ layer["ffn_gate"].T
+    return x + (gate / (1.0 + np.exp(-gate)) * (h @ layer["ffn_up"].T)) @ layer["ffn_down"].T
+
+
+def output_logits(weights: LlamaWeights, x: NDArray[np.float32]) -> NDArray[np.float32]:
+    """Next-token logits of residual-stream rows ``x [..., hidden]`` (the output projection is tied
+    to the embedding)."""
+    return rms_norm(x, weights.output_norm, weights.norm_eps) @ weights.embed.T
+
+
 def forward(weights: LlamaWeights, token_ids: Sequence[int]) -> tuple[ModelKV, NDArray[np.float32]]:
     """Run the model over ``token_ids``: every layer's K/V/queries and the last position's logits."""
-    w = weights
-    x = w.embed[np.asarray(token_ids)]
-    tokens, head_dim = len(token_ids), w.head_dim
+    x = weights.embed[np.asarray(token_ids)]
     ks, vs, qs = [], [], []
-    for layer in w.layers:
-        h = rms_norm(x, layer["attn_norm"], w.norm_eps)
-        q = rope((h @ layer["attn_q"].T).reshape(tokens, w.num_q_heads, head_dim), w.rope_base)
-        k = rope((h @ layer["attn_k"].T).reshape(tokens, w.num_kv_heads, head_dim), w.rope_base)
-        v = (h @ layer["attn_v"].T).reshape(tokens, w.num_kv_heads, head_dim)
+    for layer in weights.layers:
+        q, k, v = attention_inputs(weights, layer, x)
         ks.append(k)
         vs.append(v)
         qs.append(q)
-        x = x + attention(q, k, v, causal=True).reshape(tokens, -1) @ layer["attn_output"].T
-        h = rms_norm(x, layer["ffn_norm"], w.norm_eps)
-        gate = h @ layer["ffn_gate"].T
-        x = x + (gate / (1.0 + np.exp(-gate)) * (h @ layer["ffn_up"].T)) @ layer["ffn_down"].T
-    logits = rms_norm(x[-1], w.output_norm, w.norm_eps) @ w.embed.T
+        x = layer_output(weights, layer, x, attention(q, k, v, causal=True))
     kv = ModelKV(name=MODEL_NAME, token_ids=tuple(int(t) for t in token_ids),
                  k=np.stack(ks), v=np.stack(vs), q=np.stack(qs))
-    return kv, logits
+    return kv, output_logits(weights, x[-1])
 
 
 def capture_kv(text: str = DEFAULT_TEXT, max_tokens: int | None = None) -> ModelKV:

@@ -106,10 +106,11 @@ class AttentionData:
     causal: bool = False
 
 
-def fp8_per_tensor(x: NDArray[np.float32]) -> NDArray[np.float32]:
-    """FP8 E4M3 round trip with the format's K rule (FORMAT.md §2) and ``scale = max|x| / 448``."""
-    amax = float(np.max(np.abs(x)))
-    scale = amax / R.E4M3_MAX if amax > 0 else 1.0
+def fp8_per_tensor(x: NDArray[np.float32], scale: float | None = None) -> NDArray[np.float32]:
+    """FP8 E4M3 round trip with the format's K rule (FORMAT.md §2) and ``scale`` (default ``max|x| / 448``)."""
+    if scale is None:
+        amax = float(np.max(np.abs(x)))
+        scale = amax / R.E4M3_MAX if amax > 0 else 1.0
     return R.decode_k(R.encode_k(x, scale), scale)
 
 
