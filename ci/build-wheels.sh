@@ -7,15 +7,23 @@
 # Per flavour: copy the source tree (the working tree, or FP8KTURBOV_GIT_REF through git archive)
 # to a temporary folder, rename the distribution and pin cuda-python to the CUDA major there (the
 # working tree is never changed), build the wheel with that major's nvcc, give it its manylinux tag
-# with auditwheel, check that the library needs neither libcudart nor libcuda, install it in a fresh
-# virtual environment with its test extra and run the repository's tests against it.
+# with auditwheel, check that the library needs neither libcudart nor libcuda, that its fatbin
+# holds exactly the architectures asked for (ci/fatbin_archs.py) and that it records the CUDA major
+# and the commit it was built from (ci/library_record.py); install it in a fresh virtual
+# environment with its test extra and run the repository's tests against it. Any check failing
+# fails the flavour and the script.
 #
 # Environment:
-#   FP8KTURBOV_CUDA_ARCHITECTURES  architectures (CMake syntax); default: the project's list, less
-#                                  those the toolkit cannot build (sm_100/sm_120 need CUDA >= 12.8)
+#   FP8KTURBOV_CUDA_ARCHITECTURES  architectures (CMake syntax); default: sm_80, sm_86, sm_89, sm_90,
+#                                  sm_100, sm_120 and PTX of sm_120; a toolkit older than 12.8 (which
+#                                  cannot build sm_100/sm_120) up to sm_90 and PTX of sm_90
 #   FP8KTURBOV_CUDA12_HOME         a CUDA 12 toolkit (bin/nvcc, include/, lib64/libcudart_static.a);
-#                                  else /usr/local/cuda-12*, else the NVIDIA packages of PyPI
+#                                  else /usr/local/cuda-12*, else Debian's 12.4 assembled by
+#                                  ci/cuda12-toolkit.sh into FP8KTURBOV_CUDA12_CACHE
+#   FP8KTURBOV_CUDA12_CACHE        that toolkit's folder (default ~/.cache/fp8kturbov/cuda-12)
 #   FP8KTURBOV_CUDA13_HOME         a CUDA 13 toolkit; else /usr/local/cuda-13*, /usr/local/cuda
+#   CUDAHOSTCXX                    the host compiler, where the default is too new for the toolkit
+#                                  (nvcc 12.4 takes GCC up to 13)
 #   FP8KTURBOV_GIT_REF             build this commit (git archive) instead of the working tree
 #   FP8KTURBOV_SKIP_TESTS=1        build, repair and check only
 #   FP8KTURBOV_BUILD_JOBS          parallel compile jobs (default 2)
@@ -38,7 +46,15 @@ python="${PYTHON:-python3}"
 jobs="${FP8KTURBOV_BUILD_JOBS:-2}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/fp8kturbov-wheels.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-default_archs="80-real;89-real;90-real;100-real;120"
+# The commit the libraries record (fp8kturbov_build_commit): the copied tree has no repository.
+if [ -n "${FP8KTURBOV_GIT_REF:-}" ]; then
+  build_commit="$(git -C "$repo" rev-parse --short "$FP8KTURBOV_GIT_REF^{commit}")"
+else
+  build_commit="$(git -C "$repo" describe --always --dirty --exclude='*')"
+fi
+export FP8KTURBOV_BUILD_COMMIT="$build_commit"
+default_archs="80-real;86-real;89-real;90-real;100-real;120"
+before_12_8_archs="80-real;86-real;89-real;90-real;90"  # sm_100/sm_120 need 12.8: PTX of sm_90 for them
 
 say() { printf '\n== %s\n' "$*"; }
 fail() { printf 'ERROR: %s\n' "$*" >&2; return 1; }
@@ -73,44 +89,11 @@ find_toolkit() {
     echo "$root"
     return 0
   done
-  if [ "$major" = 12 ]; then
-    pypi_cuda12 && return 0
+  if [ "$major" = 12 ] && [ -z "${!var:-}" ]; then
+    "$repo/ci/cuda12-toolkit.sh" ${FP8KTURBOV_CUDA12_CACHE:+"$FP8KTURBOV_CUDA12_CACHE"} && return 0
   fi
   echo "no CUDA $major toolkit found (set $var to one)" >&2
   return 1
-}
-
-# CUDA 12 from PyPI's NVIDIA packages, assembled into one toolkit root. The packages hold ptxas,
-# libnvvm, the crt and runtime headers and libcudart_static.a, but (up to 12.9 at least) not the
-# nvcc driver, cicc, cudafe++, fatbinary or nvlink: without those nothing can be compiled, and this
-# says so instead of building with another major's compiler or linking cudart dynamically.
-pypi_cuda12() {
-  local venv="$work/cuda12" root="$work/cuda12-root" site missing=()
-  echo "no local CUDA 12 toolkit: trying PyPI's nvidia-cuda-{nvcc,runtime,cccl}-cu12" >&2
-  "$python" -m venv "$venv" >&2
-  "$venv/bin/python" -m pip install -q "nvidia-cuda-nvcc-cu12>=12.8,<13" \
-    "nvidia-cuda-runtime-cu12>=12.8,<13" "nvidia-cuda-cccl-cu12>=12.8,<13" >&2 || return 1
-  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
-  mkdir -p "$root/bin" "$root/include" "$root/lib64" "$root/nvvm"
-  local part
-  for part in cuda_nvcc cuda_runtime cuda_cccl; do
-    [ -d "$site/$part/bin" ] && cp -rs "$site/$part/bin/." "$root/bin/"
-    [ -d "$site/$part/include" ] && cp -rs "$site/$part/include/." "$root/include/"
-    [ -d "$site/$part/lib" ] && cp -rs "$site/$part/lib/." "$root/lib64/"
-  done
-  [ -d "$site/cuda_nvcc/nvvm" ] && cp -rs "$site/cuda_nvcc/nvvm/." "$root/nvvm/"
-  [ -e "$root/bin/cicc" ] || [ -e "$root/nvvm/bin/cicc" ] || missing+=("cicc")
-  for part in bin/nvcc bin/cudafe++ bin/fatbinary bin/nvlink bin/ptxas \
-              include/cuda_runtime.h include/crt/host_config.h lib64/libcudart_static.a; do
-    [ -e "$root/$part" ] || missing+=("$part")
-  done
-  echo "PyPI CUDA 12 packages give: $(cd "$root" && find bin lib64 -maxdepth 1 ! -type d | tr '\n' ' ')" >&2
-  if [ "${#missing[@]}" -gt 0 ]; then
-    echo "CUDA 12 from PyPI is not a usable compiler: missing ${missing[*]}." >&2
-    echo "Install a CUDA 12.x toolkit (12.8 or newer for sm_100/sm_120) and set FP8KTURBOV_CUDA12_HOME." >&2
-    return 1
-  fi
-  echo "$root"
 }
 
 # The architectures for a toolkit: the override as given, else the default less what it can't build.
@@ -124,7 +107,7 @@ architectures_for() {
   if [ "$major" -gt 12 ] || { [ "$major" = 12 ] && [ "$minor" -ge 8 ]; }; then
     echo "$default_archs"
   else
-    echo "80-real;89-real;90-real;90"  # sm_100/sm_120 need 12.8; PTX of sm_90 for newer GPUs
+    echo "$before_12_8_archs"
   fi
 }
 
@@ -135,7 +118,11 @@ prepare_source() {
   if [ -n "${FP8KTURBOV_GIT_REF:-}" ]; then
     git -C "$repo" archive --format=tar "$FP8KTURBOV_GIT_REF" | tar -x -C "$src"
   else
-    # The working tree as pip would see it: tracked and untracked files, less the ignored ones.
+    # The working tree as pip would see it: tracked and untracked files, less the ignored ones
+    # (the untracked ones listed, so that a stray folder in the wheel is seen).
+    local untracked
+    untracked="$(git -C "$repo" ls-files --others --exclude-standard)"
+    [ -z "$untracked" ] || printf 'untracked files included:\n%s\n' "$untracked" | sed 's/^/  /'
     git -C "$repo" ls-files -z --cached --others --exclude-standard \
       | "$python" -c '
 import os, shutil, sys
@@ -239,6 +226,9 @@ build_one() {
   for lib in "$so" "$unpacked/fp8kturbov/libfp8kturbov_bench.so"; do
     "$tools_py" "$repo/ci/fatbin_archs.py" "$lib" "$archs" "$cuobjdump" || return 1
   done
+
+  say "$flavour: what the library records"
+  "$tools_py" "$repo/ci/library_record.py" "$so" "$major" "$build_commit" || return 1
 
   if [ "${FP8KTURBOV_SKIP_TESTS:-0}" = 1 ]; then
     echo "tests skipped (FP8KTURBOV_SKIP_TESTS=1)"

@@ -1,5 +1,6 @@
-"""The load-time driver check: a driver older than the library's CUDA major stops the library's
-load (on first use) with both versions named; no driver (CPU use) or a new enough one lets it load."""
+"""The load-time driver check: a driver older than the CUDA major of the runtime the library
+reports stops the library's load (on first use) with both versions named; no driver (CPU use) or
+a new enough one lets it load."""
 
 from __future__ import annotations
 
@@ -17,13 +18,11 @@ from fp8kturbov import _device, _lib
 
 @pytest.fixture
 def driver(monkeypatch):
-    """Set the driver version the check sees (None: no driver) and the CUDA major it requires."""
+    """Set the driver version the check sees (None: no driver)."""
     monkeypatch.delenv(_lib.SKIP_DRIVER_CHECK_ENV, raising=False)
 
-    def set_(found: int | None, required: int | None = 13, source: str = "fp8kturbov-cu13"):
+    def set_(found: int | None):
         monkeypatch.setattr(_lib, "driver_version", lambda: found)
-        monkeypatch.setattr(_lib, "required_cuda_major",
-                            lambda path: None if required is None else (required, source))
 
     return set_
 
@@ -34,42 +33,37 @@ def driver(monkeypatch):
     (11080, 12, "11.8", "CUDA 12 driver (525 or newer)"),
 ])
 def test_a_too_old_driver_stops_the_import_naming_both_versions(driver, found, required, shown, needed):
-    driver(found, required, f"fp8kturbov-cu{required}")
+    driver(found)
     with pytest.raises(ImportError) as info:
-        _lib.check_driver(Path("libfp8kturbov.so"))
+        _lib.check_driver((required, f"libfp8kturbov.so (built with CUDA {required}.0)"))
     message = str(info.value)
     assert needed in message and f"found a CUDA {shown} driver" in message
-    assert f"fp8kturbov-cu{required}" in message
+    assert f"built with CUDA {required}.0" in message
     assert _lib.SKIP_DRIVER_CHECK_ENV in message
 
 
 def test_the_message_points_a_cuda12_driver_at_the_cu12_wheel(driver):
-    driver(12040, 13)
+    driver(12040)
     with pytest.raises(ImportError, match="install fp8kturbov-cu12 or update the NVIDIA driver"):
-        _lib.check_driver(Path("libfp8kturbov.so"))
+        _lib.check_driver((13, "libfp8kturbov.so"))
 
 
 def test_no_driver_is_no_error(driver):
-    driver(None, 13)
-    _lib.check_driver(Path("libfp8kturbov.so"))
+    driver(None)
+    _lib.check_driver((13, "libfp8kturbov.so"))
 
 
 @pytest.mark.parametrize("found, required", [(13000, 13), (13020, 13), (12080, 12), (12020, 12),
                                              (13000, 12)])
 def test_a_new_enough_driver_is_no_error(driver, found, required):
-    driver(found, required)
-    _lib.check_driver(Path("libfp8kturbov.so"))
-
-
-def test_an_unknown_requirement_is_not_checked(driver):
-    driver(11000, None)
-    _lib.check_driver(Path("libfp8kturbov.so"))
+    driver(found)
+    _lib.check_driver((required, "libfp8kturbov.so"))
 
 
 def test_the_environment_variable_skips_the_check(driver, monkeypatch):
-    driver(12040, 13)
+    driver(12040)
     monkeypatch.setenv(_lib.SKIP_DRIVER_CHECK_ENV, "1")
-    _lib.check_driver(Path("libfp8kturbov.so"))
+    _lib.check_driver((13, "libfp8kturbov.so"))
 
 
 def _fake_cuda_bindings(monkeypatch, get_version):
@@ -106,20 +100,30 @@ def test_driver_version_is_none_without_cuda_bindings(monkeypatch):
     assert _device.driver_version() is None
 
 
-def test_the_library_names_the_cuda_major_it_was_built_with(tmp_path, monkeypatch):
-    monkeypatch.setenv(_lib.LIBRARY_ENV, str(tmp_path / "lib.so"))  # no distribution lookup
-    built = tmp_path / "lib.so"
-    built.write_bytes(b"\0ELF..." + b"Cuda compilation tools, release 12.9, V12.9.86" + b"\0" * 64)
-    assert _lib.required_cuda_major(built) == (12, "lib.so (built with CUDA 12.9)")
-    unknown = tmp_path / "other.so"
-    unknown.write_bytes(b"\0" * 128)
-    assert _lib.required_cuda_major(unknown) is None
-    assert _lib.required_cuda_major(tmp_path / "absent.so") is None
+@pytest.mark.parametrize("release, major, shown", [(12040, 12, "12.4"), (12090, 12, "12.9"),
+                                                   (13000, 13, "13.0"), (13020, 13, "13.2")])
+def test_the_required_major_is_the_runtime_the_library_reports(release, major, shown):
+    def fp8kturbov_cuda_runtime_version():
+        return release
+
+    loaded = types.SimpleNamespace(fp8kturbov_cuda_runtime_version=fp8kturbov_cuda_runtime_version)
+    assert _lib.cuda_runtime_major(loaded, Path("/x/lib.so")) == (major, f"lib.so (built with CUDA {shown})")
 
 
-def test_the_loaded_library_names_a_cuda_major():
-    found = _lib._library_major(_lib.library_path())
-    assert found is not None and found[0] >= 12, found
+def test_a_library_without_the_runtime_version_is_refused():
+    with pytest.raises(ImportError, match="no symbol fp8kturbov_cuda_runtime_version"):
+        _lib.cuda_runtime_major(types.SimpleNamespace(), Path("lib.so"))
+
+
+def test_the_loaded_library_reports_a_cuda_runtime_of_a_known_major():
+    """Whatever nvcc built it (12.4 writes no release string into the fatbin, 13.0 does), the
+    library names its runtime; a wheel of a CUDA major holds a library of that major."""
+    release = _lib.library().fp8kturbov_cuda_runtime_version()
+    assert release % 10 == 0 and release // 1000 in _lib.MIN_DRIVER_BRANCH, release
+    distribution = None if os.environ.get(_lib.LIBRARY_ENV) else _lib.providing_distribution()
+    name = distribution.metadata["Name"].replace("_", "-").lower() if distribution else ""
+    if name.startswith("fp8kturbov-cu"):
+        assert name == f"fp8kturbov-cu{release // 1000}", (name, release)
 
 
 def test_loading_with_a_too_old_driver_fails_and_without_one_succeeds(tmp_path):

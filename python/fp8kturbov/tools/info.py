@@ -192,9 +192,9 @@ def gpu_lines(archs: Sequence[str]) -> list[str]:
 
 
 def summary() -> list[str]:
-    """The lines of ``info``: the library's version, ABI and path, the header's path, the CUDA
-    architectures the library holds code for, then `gpu_lines`."""
-    from fp8kturbov._lib import lib  # the loaded library: only this report needs it
+    """The lines of ``info``: the library's version, ABI, CUDA runtime, build commit and path, the
+    header's path, the CUDA architectures the library holds code for, then `gpu_lines`."""
+    from fp8kturbov._lib import build_commit, cuda_runtime_version, lib  # only this report loads it
 
     path = library_path().resolve()
     try:
@@ -203,8 +203,8 @@ def summary() -> list[str]:
         header = f"not found: {exc}"
     archs, method = library_architectures(path)
     return [
-        f"fp8kturbov library {version()} (ABI {lib.fp8kturbov_abi_version()}), "
-        f"Python package {__version__}",
+        f"fp8kturbov library {version()} (ABI {lib.fp8kturbov_abi_version()}, CUDA runtime "
+        f"{cuda_runtime_version()}, commit {build_commit() or 'unknown'}), Python package {__version__}",
         f"library: {path}",
         f"header: {header}",
         f"CUDA architectures: {' '.join(archs) or 'unknown'} ({method})",
