@@ -226,7 +226,9 @@ def test_struct_mirror_matches_c_layout(tag, c_struct_layout):
 ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_encoder", "v_rotation"]],
                 "fp8kturbov_decode_params": [["num_blocks", "error_flags"],
                                              ["sinks", "soft_cap", "query_start", "max_q_len", "num_query_rows",
-                                              "v_rotation"], ["block_tables_stride"]],
+                                              "v_rotation"], ["block_tables_stride"],
+                                             ["append_key", "append_value", "append_slot_mapping",
+                                              "append_key_stride", "append_value_stride", "v_encoder"]],
                 "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]]}
 
 
@@ -386,7 +388,8 @@ def test_reference_sizes_match_c():
 # ---- The eight entry points ---------------------------------------------------------------------------
 # Required pointers (the optional decode workspace and checked-mode error word excluded).
 POINTER_FIELDS = {op: [name for type_, name in header_struct(f"fp8kturbov_{op}_params")
-                       if type_.endswith("*") and name not in ("workspace", "error_flags", "sinks", "query_start")]
+                       if type_.endswith("*") and name not in ("workspace", "error_flags", "sinks", "query_start",
+                                                               "append_key", "append_value", "append_slot_mapping")]
                   for op in ("write", "decode")}
 FAKE_BASE = 0x7F00_0000_0000  # 16-aligned addresses that are only passed where nothing is launched
 

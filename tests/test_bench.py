@@ -10,6 +10,7 @@ import re
 import statistics
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -633,22 +634,18 @@ def fake_rows() -> list[dict]:
     return [dataclasses.asdict(r) for r in (read, copy, launch, decode, skipped, write)]
 
 
-@pytest.mark.parametrize("recorded, want", [("0a1b2c3\n", "0a1b2c3"), ("\n", None)])
-def test_source_commit_of_an_installed_package_is_the_recorded_one(tmp_path, monkeypatch, recorded, want):
-    # An installed package holds the build's record beside its modules (outside a git checkout
-    # the build writes an empty line): that, not whatever repository encloses it, is the commit.
-    (tmp_path / "build_commit.txt").write_text(recorded)
-    monkeypatch.setattr(bench.report, "__file__", str(tmp_path / "tools" / "bench" / "report.py"))
+@pytest.mark.parametrize("baked, want", [(b"0a1b2c3", "0a1b2c3"), (b"0a1b2c3-dirty", "0a1b2c3-dirty"),
+                                          (b"unknown", None)])
+def test_the_commit_is_the_one_baked_into_the_library(monkeypatch, baked, want):
+    # The library's own record, not whatever repository encloses the working directory.
+    monkeypatch.setattr(fp8kturbov._lib, "_loaded", types.SimpleNamespace(fp8kturbov_build_commit=lambda: baked))
     monkeypatch.setattr(bench.report, "_command_output", lambda *command: pytest.fail(f"asked {command}"))
-    assert bench.report.source_commit() == want
+    assert bench.report.build_commit() == want
 
 
-def test_source_commit_of_a_source_checkout_asks_git_beside_the_package(tmp_path, monkeypatch):
-    asked = []
-    monkeypatch.setattr(bench.report, "__file__", str(tmp_path / "tools" / "bench" / "report.py"))  # no record there
-    monkeypatch.setattr(bench.report, "_command_output", lambda *command: asked.append(command) or "f00dcafe")
-    assert bench.report.source_commit() == "f00dcafe"
-    assert asked == [("git", "describe", "--always", "--dirty", "--exclude=*")]
+def test_the_loaded_library_names_its_build_commit():
+    commit = fp8kturbov._lib.library().fp8kturbov_build_commit().decode()
+    assert commit == "unknown" or re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", commit), commit
 
 
 DEVICE = {"name": "Test GPU", "driver": "580.1", "cuda_driver_api": "13.0", "commit": "abc1234",
@@ -915,7 +912,7 @@ def test_json_schema(tmp_path):
 def test_plot(tmp_path, monkeypatch):
     path = tmp_path / "roofline.png"
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert bench.report.write_plot(path, fake_rows()) == "matplotlib is not importable"
+    assert bench.report.write_plot(path, fake_rows()) .startswith("matplotlib is not installed")
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
     assert bench.report.write_plot(path, fake_rows()) is None

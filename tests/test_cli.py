@@ -131,7 +131,11 @@ def test_info_in_a_fresh_process():
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     lines = done.stdout.splitlines()
     fields = dict(line.split(": ", 1) for line in lines[1:4])
-    assert lines[0].startswith(f"fp8kturbov library {fp8kturbov.version()} (ABI {fp8kturbov.ABI_VERSION})")
+    lib = fp8kturbov._lib.library()
+    runtime = lib.fp8kturbov_cuda_runtime_version()
+    assert lines[0].startswith(
+        f"fp8kturbov library {fp8kturbov.version()} (ABI {fp8kturbov.ABI_VERSION}, CUDA runtime "
+        f"{runtime // 1000}.{runtime % 1000 // 10}, commit {lib.fp8kturbov_build_commit().decode()})"), lines[0]
     assert Path(fields["library"]) == fp8kturbov.library_path().resolve()
     assert Path(fields["header"]).is_file()
     archs = fields["CUDA architectures"].split(" (")[0].split()

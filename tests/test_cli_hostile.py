@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 
 from cli_util import error_line, run_cli
 from fp8kturbov.tools import cli
-from fp8kturbov.tools.bench.config import MAX_C_FLOAT, MAX_COUNT, MAX_Q_LEN, MAX_SEED
+from fp8kturbov.tools.bench.config import APPENDS, MAX_C_FLOAT, MAX_COUNT, MAX_Q_LEN, MAX_SEED
 
 EXAMPLES = settings(max_examples=60, deadline=None, database=None)
 #: What each command needs besides the option tried: compare's two files (never read: the option
 #: fails first), and the demo on the CPU.
-BASE_ARGS = {"bench": [], "compare": ["a.json", "b.json"], "demo": ["--cpu", "--no-progress"], "quality": []}
+BASE_ARGS = {"bench": [], "compare": ["a.json", "b.json"], "demo": ["--cpu", "--no-progress"], "quality": [],
+             "generate": ["--model", "no-model", "--prompt", "p"], "perplexity": ["--model", "no-model", "--text", "t"]}
 
 decimal = re.compile(r"\s*[0-9]+[kK]?\s*")
 any_text = st.text(max_size=12)
@@ -73,6 +74,7 @@ HOSTILE = {
                                   | st.tuples(bad_item, good_count).map("x".join)).map(",".join),
     "parse_seed": st.integers(max_value=-1).map(str) | st.integers(min_value=MAX_SEED + 1).map(str) | junk,
     "parse_percent": bad_float,
+    "parse_appends": any_text.filter(lambda t: any(m.strip() not in APPENDS for m in t.split(","))),
     "float": bad_float,
 }
 

@@ -92,9 +92,10 @@ STRUCTS = {"write": _lib.WriteParams, "decode": _lib.DecodeParams}
 FIELD_TYPES = {op: dict(s._fields_) for op, s in STRUCTS.items()}
 # Pointer fields in header order.
 ALL_POINTERS = {op: [n for n, t in s._fields_ if t is ctypes.c_void_p] for op, s in STRUCTS.items()}
-# Required pointers in header order (the optional decode workspace, sinks and query_start and the
-# checked-mode error word excluded).
-POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags", "sinks", "query_start")]
+# Required pointers in header order (the optional decode workspace, sinks, query_start and fused
+# append and the checked-mode error word excluded).
+POINTERS = {op: [n for n in names if n not in ("workspace", "error_flags", "sinks", "query_start", "append_key",
+                                               "append_value", "append_slot_mapping")]
             for op, names in ALL_POINTERS.items()}
 WORK = {"write": "num_tokens", "decode": "num_seqs"}
 # FP8KTURBOV_<OP>_PARAMS_V<n>_SIZE: the earlier versions of the structs, still accepted; version 1
@@ -207,8 +208,8 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
                V, "k_scale = ")
     e.rule(get("v_rotation") not in (0, 1), V, "v_rotation = ")
     e.rule(get("v_rotation") == 1 and hd not in (128, 256, 512), V, "v_rotation = 1 (HADAMARD) needs")
+    e.rule(get("v_encoder") not in (0, 1), V, "v_encoder = ")  # the write's, or the decode's append
     if op == "write":
-        e.rule(get("v_encoder") not in (0, 1), V, "v_encoder = ")
         e.rule(row > U32_MAX, V, "num_kv_heads * head_dim = ")
         for name in ("key_stride", "value_stride"):
             e.rule(a[name] < row, V, f"{name} = ")
@@ -369,7 +370,9 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                     soft_cap=draw(st.one_of(st.just(0.0), st.floats(0.0, FLT_MAX, width=32))),
                     max_q_len=draw(st.integers(0, 16)), num_query_rows=draw(st.sampled_from(U32_EDGES)),
                     v_rotation=draw(st.sampled_from([0, 1])) if head_dim in (128, 256, 512) else 0,
-                    workspace_bytes=draw(st.sampled_from(U64_EDGES)))
+                    workspace_bytes=draw(st.sampled_from(U64_EDGES)),
+                    append_key_stride=row + draw(st.integers(0, 64)), append_value_stride=row + draw(st.integers(0, 64)),
+                    v_encoder=draw(st.sampled_from([0, 1])))
     return {name: args[name] for name in entry.names}
 
 

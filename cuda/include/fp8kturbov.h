@@ -37,7 +37,7 @@ extern "C" {
 
 /* ---- Versions ------------------------------------------------------------------------------ */
 #define FP8KTURBOV_VERSION_MAJOR 0
-#define FP8KTURBOV_VERSION_MINOR 4
+#define FP8KTURBOV_VERSION_MINOR 5
 #define FP8KTURBOV_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define FP8KTURBOV_VERSION \
@@ -57,6 +57,12 @@ extern "C" {
 /* The library's FP8KTURBOV_VERSION and FP8KTURBOV_ABI_VERSION, for checks at load time. */
 FP8KTURBOV_API int fp8kturbov_version(void);
 FP8KTURBOV_API int fp8kturbov_abi_version(void);
+/* The CUDA runtime the library was built with and links statically (CUDART_VERSION, 1000 * major +
+ * 10 * minor: 12040 for 12.4): it runs with a driver of that CUDA major or newer. */
+FP8KTURBOV_API int fp8kturbov_cuda_runtime_version(void);
+/* The source commit the library was built from (`git describe --always --dirty`: an abbreviated
+ * hash, "-dirty" with uncommitted changes), or "unknown"; a static string. */
+FP8KTURBOV_API const char* fp8kturbov_build_commit(void);
 
 /* ---- Status -------------------------------------------------------------------------------- */
 /* Values are append-only. */
@@ -111,7 +117,7 @@ typedef enum fp8kturbov_index_error {
  * earlier versions (FP8KTURBOV_*_PARAMS_V1_SIZE: library 0.1, without the checked-mode fields;
  * FP8KTURBOV_{WRITE,DECODE}_PARAMS_V2_SIZE: library 0.2, without v_encoder / sinks, soft_cap
  * and the multi-token fields; FP8KTURBOV_DECODE_PARAMS_V3_SIZE: library 0.3, without
- * block_tables_stride),
+ * block_tables_stride; FP8KTURBOV_DECODE_PARAMS_V4_SIZE: library 0.4, without the append fields),
  * whose missing fields read as 0.
  *
  * Initialising a params struct: fp8kturbov_*_params_init writes the whole struct of the library
@@ -258,6 +264,20 @@ FP8KTURBOV_DECLARE_WRITE(4)
  *                the workspace. Ignored without query_start.
  *  num_query_rows  (params only, with query_start) rows of q and output, query_start[num_seqs];
  *                checked mode keeps every row inside it. Ignored without query_start.
+ *  append_*      (params only) the fused append: NULL append_slot_mapping (the default) = off.
+ *                Otherwise the decode writes each query row's new token into the cache before
+ *                any of it is attended, in the bytes fp8kturbov_write would write (K through
+ *                k_scale, V with v_encoder and v_rotation): row r of append_key and append_value
+ *                (bf16, [rows][num_kv_heads*head_dim], rows append_key_stride and
+ *                append_value_stride ELEMENTS apart, each >= num_kv_heads*head_dim, 2-byte
+ *                aligned) goes to slot append_slot_mapping[r] (int64 [rows], 8-byte aligned;
+ *                < 0 writes nothing), row r being query row r (the sequence, or with query_start
+ *                token i of its sequence, at position seq_len - q_len + i). One launch then does
+ *                what fp8kturbov_write followed by this decode does, provided each slot is the one
+ *                that block_tables gives its position (the decode reads the token where the table
+ *                points). The pools are written through k_cache and v_cache, which must then be
+ *                writable. A row whose position is < 0 (q_len > seq_len) is not written; checked
+ *                mode skips a slot whose page is >= num_blocks (FP8KTURBOV_INDEX_ERROR_SLOT).
  *  workspace     (params only) caller-owned device scratch of workspace_bytes bytes, 16-byte
  *                aligned. With enough of it (fp8kturbov_paged_decode_workspace_bytes) the context
  *                is split across CTAs so that few sequences still fill the GPU, and a second
@@ -301,10 +321,17 @@ typedef struct fp8kturbov_decode_params {
   uint32_t num_query_rows;    /* rows of q and output with query_start */
   uint32_t v_rotation;        /* fp8kturbov_v_rotation_t the cache was written with; default none */
   uint64_t block_tables_stride; /* int32 entries between rows of block_tables; 0 = max_blocks_per_seq */
+  const void* append_key;             /* fused append: bf16 new K rows, or NULL */
+  const void* append_value;           /* fused append: bf16 new V rows, or NULL */
+  const int64_t* append_slot_mapping; /* fused append: int64 slot per query row; NULL = off */
+  uint32_t append_key_stride;         /* elements between rows of append_key */
+  uint32_t append_value_stride;       /* elements between rows of append_value */
+  uint32_t v_encoder;                 /* fp8kturbov_v_encoder_t of the appended V; default matched-norm */
 } fp8kturbov_decode_params_t;
 #define FP8KTURBOV_DECODE_PARAMS_V1_SIZE 144
 #define FP8KTURBOV_DECODE_PARAMS_V2_SIZE 160
 #define FP8KTURBOV_DECODE_PARAMS_V3_SIZE 200
+#define FP8KTURBOV_DECODE_PARAMS_V4_SIZE 208
 
 /* Fills *params with the defaults (struct_size set, v_bits = 3, sparse_v_threshold = 1e-3,
  * everything else zero). */

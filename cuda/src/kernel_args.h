@@ -52,6 +52,25 @@ struct WriteArgs {
   uint32_t rotation_head_dim;  // FORMAT §6: V heads of this many elements rotated first; 0 = none
 };
 
+// The decode's fused append (fp8kturbov_decode_params_t::append_*): query row r's new token,
+// K and V as the cache write takes them, goes to slot slot_mapping[r] (< 0: nothing) before it is
+// attended. The pools are the decode's, written through (the caller's pointers are writable then).
+struct AppendArgs {
+  const uint16_t* key;    // bf16 bits
+  const uint16_t* value;  // bf16 bits
+  const int64_t* slot_mapping;  // nullptr: no append
+  uint8_t* k_cache;
+  uint8_t* v_cache;
+  uint64_t key_stride;
+  uint64_t value_stride;
+  bool key_vector_loads;    // key and key_stride allow 16-byte loads
+  bool value_vector_loads;  // likewise for value
+  float k_inv_scale;        // 1.0f / k_scale, as the write's (FORMAT §2)
+  bool mse_encoder;         // FP8KTURBOV_V_ENCODER_MSE, else matched-norm
+
+  __host__ __device__ bool enabled() const { return slot_mapping != nullptr; }
+};
+
 // Arguments of one paged decode, after validation.
 struct DecodeArgs {
   const uint16_t* q;  // bf16 bits
@@ -83,6 +102,7 @@ struct DecodeArgs {
   uint32_t max_q_len;          // the largest q_len; 1 without query_start
   uint32_t num_query_rows;     // rows of q and output (checked mode bounds them)
   bool rotated_v;              // FORMAT §6: the cache holds rotated V; outputs are rotated back
+  AppendArgs append;           // the fused append, or none (append.enabled())
 };
 
 template <int BITS>

@@ -72,10 +72,29 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&bytes)
 template <int BITS>
 __device__ __forceinline__ void load_codebook(CodebookTable<BITS>& table) {
   constexpr int kWords = sizeof(CodebookTable<BITS>) / 4;
-  static_assert(sizeof(CodebookTable<BITS>) % 4 == 0 && kWords <= kWriteThreads, "one word per thread");
-  if (threadIdx.x < kWords)
-    reinterpret_cast<uint32_t*>(&table)[threadIdx.x] = reinterpret_cast<const uint32_t*>(&kCodebookTable<BITS>)[threadIdx.x];
+  static_assert(sizeof(CodebookTable<BITS>) % 4 == 0, "whole words");
+  for (int i = threadIdx.x; i < kWords; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(&table)[i] = reinterpret_cast<const uint32_t*>(&kCodebookTable<BITS>)[i];
   __syncthreads();
+}
+
+// FORMAT §2: a group's K bytes, E4M3_rn_satfinite(k * inv_scale), written as one aligned 16-byte store.
+__device__ __forceinline__ void store_k_group(uint8_t* dst, const float (&k)[kGroupElems], float inv_scale) {
+  alignas(16) uint8_t bytes[kGroupElems];
+#pragma unroll
+  for (int i = 0; i < kGroupElems; ++i) bytes[i] = e4m3_encode(__fmul_rn(k[i], inv_scale));
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(bytes);
+}
+
+// FORMAT §3: group `group` of slot offset `offset` of a V page, its packed codes in the data
+// section and its scale byte in the scale section.
+template <int BITS>
+__device__ __forceinline__ void store_v_group(uint8_t* page, const VPageLayout& layout, uint32_t offset,
+                                              uint32_t group, const EncodedGroup<BITS>& enc) {
+  uint8_t packed[2 * BITS];
+  pack_group<BITS>(enc.codes, packed);
+  store_bytes(page + layout.data_offset(offset, group, BITS), packed);
+  page[layout.scale_offset(offset, group)] = enc.scale_byte;
 }
 
 // This thread's (token, 16-element group) in the grid of launch_per_token_group.
@@ -90,21 +109,21 @@ __device__ __forceinline__ void token_group_of_thread(uint32_t row_elems, uint64
 // FORMAT §6 on the V head row whose 16-element groups are held by head_dim / 16 consecutive
 // threads (a CTA and a warp start at a head: their group counts are multiples of it), this
 // thread's group in x. The threads of a head share its token, so they are all still running.
+template <int HEAD_DIM>
+__device__ __forceinline__ void rotate_head(float (&x)[kGroupElems]) {
+  constexpr uint32_t kLanes = HEAD_DIM / kGroupElems;
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t mask = kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1) << (lane & ~(kLanes - 1));
+  using Signs = RotationSigns<HEAD_DIM>;
+  hadamard_rotate<HEAD_DIM, kGroupElems>(x, lane % kLanes, mask, Signs::kS1, Signs::kS2);
+}
 __device__ __forceinline__ void rotate_head(uint32_t head_dim, float (&x)[kGroupElems]) {
-  auto rotate = [&](auto head_dim_tag) {
-    constexpr int kHeadDim = decltype(head_dim_tag)::value;
-    constexpr uint32_t kLanes = kHeadDim / kGroupElems;
-    const uint32_t lane = threadIdx.x % 32;
-    const uint32_t mask = kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1) << (lane & ~(kLanes - 1));
-    using Signs = RotationSigns<kHeadDim>;
-    hadamard_rotate<kHeadDim, kGroupElems>(x, lane % kLanes, mask, Signs::kS1, Signs::kS2);
-  };
   if (head_dim == 128)
-    rotate(std::integral_constant<int, 128>{});
+    rotate_head<128>(x);
   else if (head_dim == 256)
-    rotate(std::integral_constant<int, 256>{});
+    rotate_head<256>(x);
   else
-    rotate(std::integral_constant<int, 512>{});
+    rotate_head<512>(x);
 }
 
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
@@ -147,13 +166,9 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
     return;
   }
 
-  // K (FORMAT §2): byte = E4M3_rn_satfinite(k * inv), 16 bytes written as one aligned store.
-  alignas(16) uint8_t k_bytes[kGroupElems];
-#pragma unroll
-  for (int i = 0; i < kGroupElems; ++i) k_bytes[i] = e4m3_encode(__fmul_rn(k[i], a.k_inv_scale));
-  uint8_t* k_dst = a.k_cache + page * a.k_block_stride_bytes + uint64_t(offset) * a.row_elems +
-                   group * kGroupElems;
-  if (writes) *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_bytes);
+  if (writes)
+    store_k_group(a.k_cache + page * a.k_block_stride_bytes + uint64_t(offset) * a.row_elems + group * kGroupElems, k,
+                  a.k_inv_scale);
 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section; first,
   // where asked, the head's rotation (FORMAT §6) across the threads holding its groups.
@@ -164,13 +179,9 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   else
     enc = encode_v_group<BITS>(x, codebook_s);
   if (!writes) return;
-  uint8_t packed[2 * BITS];
-  pack_group<BITS>(enc.codes, packed);
   const VPageLayout layout{uint64_t(a.row_elems) * BITS / 8, a.row_elems / kGroupElems,
                            a.v_data_section_bytes};
-  uint8_t* v_page = a.v_cache + page * a.v_block_stride_bytes;
-  store_bytes(v_page + layout.data_offset(offset, group, BITS), packed);
-  v_page[layout.scale_offset(offset, group)] = enc.scale_byte;
+  store_v_group<BITS>(a.v_cache + page * a.v_block_stride_bytes, layout, offset, group, enc);
 }
 
 template <int BITS, int MSE_LANES, bool ROTATE>

@@ -93,7 +93,7 @@ class IndexErrorFlags(enum.IntFlag):
 
 # What each flag means and what the kernels did about it (the header's comments).
 _INDEX_ERROR_MEANINGS: dict[IndexErrorFlags, str] = {
-    IndexErrorFlags.SLOT: "a slot's page (slot / block_size) was >= num_blocks, so the write "
+    IndexErrorFlags.SLOT: "a slot's page (slot / block_size) was >= num_blocks, so the write (or the decode's append) "
                           "skipped that token and the dequantize gave it rows of zeros",
     IndexErrorFlags.BLOCK_TABLE: "a block-table entry of an attended position was < 0 or >= "
                                  "num_blocks, so the decode left out that page's positions "

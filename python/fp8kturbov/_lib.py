@@ -12,7 +12,6 @@ import ctypes
 import enum
 import functools
 import importlib.metadata
-import mmap
 import os
 import re
 import sys
@@ -125,6 +124,12 @@ class DecodeParams(ctypes.Structure):
         ("num_query_rows", _u32),
         ("v_rotation", _u32),
         ("block_tables_stride", _u64),
+        ("append_key", _ptr),
+        ("append_value", _ptr),
+        ("append_slot_mapping", _ptr),
+        ("append_key_stride", _u32),
+        ("append_value_stride", _u32),
+        ("v_encoder", _u32),
     ]
 
 
@@ -163,6 +168,8 @@ DECODE_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _u32, _u32, _u32, _u32, _
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fp8kturbov_version": (ctypes.c_int, []),
     "fp8kturbov_abi_version": (ctypes.c_int, []),
+    "fp8kturbov_cuda_runtime_version": (ctypes.c_int, []),
+    "fp8kturbov_build_commit": (ctypes.c_char_p, []),
     "fp8kturbov_status_string": (ctypes.c_char_p, [_status]),
     "fp8kturbov_last_error_message": (ctypes.c_char_p, []),
     "fp8kturbov_k_page_bytes": (_u64, [_u32, _u32, _u32]),
@@ -217,55 +224,22 @@ def providing_distribution() -> importlib.metadata.Distribution | None:
     return None
 
 
-def _distribution_major() -> tuple[int, str] | None:
-    """The CUDA major from the wheel's distribution name (``fp8kturbov-cu12``/``-cu13``), where
-    this package was installed by one of those and loads its own library."""
-    distribution = None if os.environ.get(LIBRARY_ENV) else providing_distribution()
-    if distribution is None:
-        return None
-    name = re.sub(r"[-_.]+", "-", distribution.metadata["Name"]).lower()
-    for major in MIN_DRIVER_BRANCH:
-        if name == f"fp8kturbov-cu{major}":
-            return major, name
-    return None
-
-
-_NVCC_RELEASE = re.compile(rb"Cuda compilation tools, release (\d+)\.(\d+)")
-
-
-def _library_major(path: Path) -> tuple[int, str] | None:
-    """The CUDA major of the nvcc that built the library: every fatbin entry nvcc writes names
-    its toolkit ("Cuda compilation tools, release 13.0"); None if unreadable or not found."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as image:
-            found = _NVCC_RELEASE.search(image)
-            release = found.group(1, 2) if found else None
-    except (OSError, ValueError):
-        return None
-    if release is None:
-        return None
-    major, minor = (int(part) for part in release)
+def cuda_runtime_major(loaded: ctypes.CDLL, path: Path) -> tuple[int, str]:
+    """The CUDA major of the runtime the library at ``path`` was built with (its
+    ``fp8kturbov_cuda_runtime_version``), and a description naming the release for messages."""
+    release = _bound(loaded, path, "fp8kturbov_cuda_runtime_version")()
+    major, minor = release // 1000, release % 1000 // 10
     return major, f"{path.name} (built with CUDA {major}.{minor})"
 
 
-def required_cuda_major(path: Path) -> tuple[int, str] | None:
-    """The CUDA major the library needs a driver for, and where that was read; None if unknown."""
-    return _distribution_major() or _library_major(path)
-
-
-def check_driver(path: Path) -> None:
-    """Raise ImportError where a CUDA driver is present but older than the library's CUDA major.
-    No driver, an unknown requirement or ``FP8KTURBOV_SKIP_DRIVER_CHECK=1``: nothing is checked."""
+def check_driver(required: tuple[int, str]) -> None:
+    """Raise ImportError where a CUDA driver is present but older than ``required``, the library's
+    CUDA major and its description (`cuda_runtime_major`). No driver or
+    ``FP8KTURBOV_SKIP_DRIVER_CHECK=1``: nothing is checked."""
     if os.environ.get(SKIP_DRIVER_CHECK_ENV, "") not in ("", "0"):
         return
     found = driver_version()
     if found is None:
-        return
-    try:
-        required = required_cuda_major(path)
-    except Exception:  # never let the check itself break the load
-        required = None
-    if required is None:
         return
     major, source = required
     if found // 1000 >= major:
@@ -301,7 +275,6 @@ def _load() -> ctypes.CDLL:
     path = library_path()
     if not path.is_file():
         raise ImportError(f"{_source(path)}: {'not a file' if path.exists() else 'no such file'}")
-    check_driver(path)
     try:
         loaded = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -310,6 +283,9 @@ def _load() -> ctypes.CDLL:
     found = _bound(loaded, path, "fp8kturbov_abi_version")()
     if found != ABI_VERSION:
         raise ImportError(f"{_source(path)} has ABI version {found}, this package needs {ABI_VERSION}")
+    # Loading touches no CUDA (the static runtime starts on the first launch), so the driver is
+    # checked against the runtime the library itself reports before anything runs.
+    check_driver(cuda_runtime_major(loaded, path))
     for name in SIGNATURES:
         _bound(loaded, path, name)
     return loaded
@@ -346,6 +322,19 @@ def version() -> str:
     """The library version as ``major.minor.patch`` (loads the library)."""
     v = library().fp8kturbov_version()
     return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def cuda_runtime_version() -> str:
+    """The CUDA runtime the library was built with, as ``major.minor`` (loads the library)."""
+    release = library().fp8kturbov_cuda_runtime_version()
+    return f"{release // 1000}.{release % 1000 // 10}"
+
+
+def build_commit() -> str | None:
+    """The source commit the library was built from (``-dirty`` with uncommitted changes), baked
+    in at build time; None where the build had none (loads the library)."""
+    commit = library().fp8kturbov_build_commit().decode("ascii", "replace")
+    return None if commit == "unknown" else commit
 
 
 _HEADER_VERSION = re.compile(r"^#define FP8KTURBOV_VERSION_(MAJOR|MINOR|PATCH) (\d+)$", re.M)

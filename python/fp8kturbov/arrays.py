@@ -49,6 +49,7 @@ from ._interop import (ArrayArgument, check_array, check_max_q_len, check_token_
                        check_writable, common_device, describe, from_dlpack, instance_of,
                        row_stride, v_encoder_option)
 from ._lib import VEncoder
+from .layout import CacheLayout
 from ._limits import MAX_Q_LEN  # noqa: F401  (importable from here, as before the split)
 from .cache import BACKENDS, KVCache, allocate, open_cache  # noqa: F401  (BACKENDS: the same)
 
@@ -155,7 +156,9 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
                  inv_sqrt_d: float | None = None, sliding_window: int = 0,
                  sparse_v_threshold: float | None = None, workspace: Any = None,
                  sinks: Any = None, soft_cap: float = 0.0, query_start: Any = None,
-                 max_q_len: int | None = None, stream: Any = None) -> Any:
+                 max_q_len: int | None = None, append_key: Any = None, append_value: Any = None,
+                 append_slot_mapping: Any = None,
+                 v_encoder: VEncoder | str = VEncoder.MATCHED_NORM, stream: Any = None) -> Any:
     """Paged decode attention over the cache (docs/format.md §5); returns ``out``.
 
     ``q``: bf16 ``[num_seqs, num_q_heads, head_dim]`` (with ``query_start``:
@@ -191,7 +194,15 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     1..16, required with ``query_start`` (the library never reads ``query_start`` on the host, so
     nothing synchronises) and refused without it; size the workspace with the same value. A checked cache
     also reports a ``query_start`` that breaks these rules (the sequence is skipped). None: one
-    query row per sequence. Streams: see the module docstring.
+    query row per sequence.
+
+    The fused append, for one launch per layer and step: with ``append_slot_mapping`` (int64
+    ``[rows]``, contiguous; rows as q's), ``append_key`` and ``append_value`` (bf16 ``[rows,
+    num_kv_heads*head_dim]`` or ``[rows, num_kv_heads, head_dim]``, as :func:`write_kv` takes them)
+    hold each query row's new token, written to its slot with ``v_encoder`` before it is attended:
+    the cache bytes and the output are those of :func:`write_kv` followed by this decode, provided
+    each slot is the one ``block_tables`` gives the row's position (``seq_len - q_len + i``; a
+    negative slot writes nothing). Streams: see the module docstring.
     """
     layout = open_cache(cache).layout
     multi_token = query_start is not None
@@ -202,7 +213,9 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     if out is None:
         out = _new_output(q)
     call = _Call.gather(stream, q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
-                        workspace=workspace, sinks=sinks, query_start=query_start)
+                        workspace=workspace, sinks=sinks, query_start=query_start,
+                        append_key=append_key, append_value=append_value,
+                        append_slot_mapping=append_slot_mapping)
     q_array, heads, dim = call["q"], layout.num_kv_heads, layout.head_dim
     rows_text = "num_query_rows" if multi_token else "num_seqs"
     check_array(q_array, "bfloat16", (None, None, dim), f"[{rows_text}, num_q_heads, {dim}]",
@@ -232,6 +245,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     check_array(call["seq_lens"], "int32", (num_seqs,), f"[{num_seqs}] (num_seqs)")
     check_array(call["out"], "bfloat16", q_array.shape, f"{list(q_array.shape)} (as q)")
     check_writable(call["out"])
+    append_args = _append_args(call, layout, num_rows, v_encoder)
     scratch = call.get("workspace")
     if scratch is not None:
         check_array(scratch, None, (None,) * len(scratch.shape), "any shape")
@@ -248,9 +262,31 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
             workspace=scratch.ptr if scratch is not None else 0,
             workspace_bytes=scratch.nbytes if scratch is not None else 0,
             sinks=call["sinks"].ptr if call.get("sinks") is not None else 0, soft_cap=soft_cap,
-            v_rotation=cache.v_rotation, stream=call.stream, **query_row_args, **cache._layout_args(),
-            **cache._checked_args())
+            v_rotation=cache.v_rotation, stream=call.stream, **query_row_args, **append_args,
+            **cache._layout_args(), **cache._checked_args())
     return out
+
+
+def _append_args(call: _Call, layout: CacheLayout, num_rows: int, v_encoder: VEncoder | str) -> dict[str, int]:
+    """The decode's fused-append arguments: none without ``append_slot_mapping``, else its rows
+    checked as :func:`write_kv` checks them, one per query row."""
+    encoder = v_encoder_option(v_encoder)
+    if call.get("append_slot_mapping") is None:
+        for name in ("append_key", "append_value"):
+            if call.get(name) is not None:
+                raise ArgumentError(name, "an array", "None without append_slot_mapping")
+        if encoder != VEncoder.MATCHED_NORM:
+            raise ArgumentError("v_encoder", repr(v_encoder), "the default without append_slot_mapping")
+        return {}
+    key_stride = check_token_rows(call["append_key"], layout)
+    value_stride = check_token_rows(call["append_value"], layout)
+    for name in ("append_key", "append_value"):
+        if call[name].shape[0] != num_rows:
+            raise ArgumentError(name, f"{call[name].shape[0]} rows", f"{num_rows} (as q)")
+    check_array(call["append_slot_mapping"], "int64", (num_rows,), f"[{num_rows}] (as q's rows)")
+    return dict(append_key=call["append_key"].ptr, append_value=call["append_value"].ptr,
+                append_slot_mapping=call["append_slot_mapping"].ptr, append_key_stride=key_stride,
+                append_value_stride=value_stride, v_encoder=encoder)
 
 
 def _new_output(q: Any) -> Any:

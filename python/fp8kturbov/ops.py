@@ -117,9 +117,18 @@ def paged_decode_attn(
     k_block_stride_bytes: int = 0, sliding_window: int = 0, sparse_v_threshold: float | None = None,
     workspace: int = 0, workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0,
     sinks: int = 0, soft_cap: float = 0.0, query_start: int = 0, max_q_len: int = 0,
-    num_query_rows: int = 0, v_rotation: int = 0, block_tables_stride: int = 0, stream: Any = None,
+    num_query_rows: int = 0, v_rotation: int = 0, block_tables_stride: int = 0,
+    append_key: int = 0, append_value: int = 0, append_slot_mapping: int = 0,
+    append_key_stride: int = 0, append_value_stride: int = 0, v_encoder: int = 0,
+    stream: Any = None,
 ) -> None:
     """Paged decode attention (``fp8kturbov_paged_decode_attn``); see the C header.
+
+    The fused append (``append_slot_mapping`` nonzero): each query row's new token, bf16 rows of
+    ``append_key`` / ``append_value`` (``append_key_stride`` / ``append_value_stride`` ELEMENTS
+    apart) written to slot ``append_slot_mapping[row]`` (int64, < 0 writes nothing) with
+    ``v_encoder`` before it is attended: :func:`reshape_and_cache` and this decode in one launch,
+    where each slot is the one the block table gives its position.
 
     ``block_tables_stride``: int32 entries (ELEMENTS) between rows of ``block_tables``, at least
     ``max_blocks_per_seq`` (0 = ``max_blocks_per_seq``). The split plan is sized for
@@ -155,7 +164,9 @@ def paged_decode_attn(
         workspace=workspace, workspace_bytes=workspace_bytes, num_blocks=num_blocks,
         error_flags=error_flags, sinks=sinks, soft_cap=soft_cap, query_start=query_start,
         max_q_len=max_q_len, num_query_rows=num_query_rows, v_rotation=v_rotation,
-        block_tables_stride=block_tables_stride)
+        block_tables_stride=block_tables_stride, append_key=append_key, append_value=append_value,
+        append_slot_mapping=append_slot_mapping, append_key_stride=append_key_stride,
+        append_value_stride=append_value_stride, v_encoder=v_encoder)
     check(library().fp8kturbov_paged_decode_attn(ctypes.byref(params), stream_handle(stream)))
 
 

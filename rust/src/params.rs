@@ -114,7 +114,8 @@ setters!(DecodeParams {
     u64 k_block_stride_bytes, u64 v_block_stride_bytes, u64 v_data_section_bytes,
     u32 sliding_window, f32 sparse_v_threshold, ptr workspace, u64 workspace_bytes,
     u64 num_blocks, ptr error_flags, ptr sinks, f32 soft_cap, ptr query_start, u32 max_q_len,
-    u32 num_query_rows, u64 block_tables_stride,
+    u32 num_query_rows, u64 block_tables_stride, ptr append_key, ptr append_value,
+    ptr append_slot_mapping, u32 append_key_stride, u32 append_value_stride,
 });
 setters!(DequantizeParams {
     ptr k_cache, ptr v_cache, ptr slot_mapping, ptr key, ptr value,
@@ -137,6 +138,11 @@ impl WriteParams {
 impl DecodeParams {
     pub fn v_rotation(mut self, rotation: VRotation) -> Self {
         self.raw.v_rotation = rotation as u32;
+        self
+    }
+    /// The V encoder of the fused append's tokens.
+    pub fn v_encoder(mut self, encoder: VEncoder) -> Self {
+        self.raw.v_encoder = encoder as u32;
         self
     }
 }

@@ -11,7 +11,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 
 // ---- Versions -----------------------------------------------------------------------------------
 pub const FP8KTURBOV_VERSION_MAJOR: c_int = 0;
-pub const FP8KTURBOV_VERSION_MINOR: c_int = 4;
+pub const FP8KTURBOV_VERSION_MINOR: c_int = 5;
 pub const FP8KTURBOV_VERSION_PATCH: c_int = 0;
 pub const FP8KTURBOV_VERSION: c_int =
     FP8KTURBOV_VERSION_MAJOR * 10000 + FP8KTURBOV_VERSION_MINOR * 100 + FP8KTURBOV_VERSION_PATCH;
@@ -120,10 +120,17 @@ pub struct fp8kturbov_decode_params_t {
     pub num_query_rows: u32,
     pub v_rotation: u32,
     pub block_tables_stride: u64,
+    pub append_key: *const c_void,
+    pub append_value: *const c_void,
+    pub append_slot_mapping: *const i64,
+    pub append_key_stride: u32,
+    pub append_value_stride: u32,
+    pub v_encoder: u32,
 }
 pub const FP8KTURBOV_DECODE_PARAMS_V1_SIZE: usize = 144;
 pub const FP8KTURBOV_DECODE_PARAMS_V2_SIZE: usize = 160;
 pub const FP8KTURBOV_DECODE_PARAMS_V3_SIZE: usize = 200;
+pub const FP8KTURBOV_DECODE_PARAMS_V4_SIZE: usize = 208;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -153,6 +160,8 @@ pub const FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE: usize = 104;
 extern "C" {
     pub fn fp8kturbov_version() -> c_int;
     pub fn fp8kturbov_abi_version() -> c_int;
+    pub fn fp8kturbov_cuda_runtime_version() -> c_int;
+    pub fn fp8kturbov_build_commit() -> *const c_char;
     pub fn fp8kturbov_status_string(status: fp8kturbov_status_t) -> *const c_char;
     pub fn fp8kturbov_last_error_message() -> *const c_char;
 

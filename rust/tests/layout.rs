@@ -56,7 +56,8 @@ fn rust_structs() -> Vec<Struct> {
             q_stride, v_bits, k_block_stride_bytes, v_block_stride_bytes, v_data_section_bytes,
             sliding_window, sparse_v_threshold, workspace, workspace_bytes, num_blocks,
             error_flags, sinks, soft_cap, query_start, max_q_len, num_query_rows, v_rotation,
-            block_tables_stride,
+            block_tables_stride, append_key, append_value, append_slot_mapping, append_key_stride,
+            append_value_stride, v_encoder,
         }
         fp8kturbov_dequantize_params_t {
             struct_size, k_cache, v_cache, slot_mapping, key, value, num_tokens, num_kv_heads,
@@ -103,7 +104,7 @@ fn rust_constants() -> Vec<(&'static str, bool, i128)> {
         FP8KTURBOV_V_ENCODER_MSE, FP8KTURBOV_V_ROTATION_NONE, FP8KTURBOV_V_ROTATION_HADAMARD,
         FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8KTURBOV_WRITE_PARAMS_V2_SIZE,
         FP8KTURBOV_DECODE_PARAMS_V1_SIZE, FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
-        FP8KTURBOV_DECODE_PARAMS_V3_SIZE, FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE;
+        FP8KTURBOV_DECODE_PARAMS_V3_SIZE, FP8KTURBOV_DECODE_PARAMS_V4_SIZE, FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE;
         floats: FP8KTURBOV_DEFAULT_SPARSE_V_THRESHOLD,
     }
 }
@@ -180,6 +181,8 @@ fn rust_functions() -> Vec<(String, String)> {
     functions![
         fp8kturbov_version(),
         fp8kturbov_abi_version(),
+        fp8kturbov_cuda_runtime_version(),
+        fp8kturbov_build_commit(),
         fp8kturbov_status_string(_),
         fp8kturbov_last_error_message(),
         fp8kturbov_k_page_bytes(_, _, _),

@@ -21,21 +21,20 @@ namespace fp8kturbov {
 namespace {
 
 bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-bool is_aligned2(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 1u) == 0; }
+
+// The kernels load every array at its element's width: a misaligned pointer would fault inside
+// the kernel instead of failing here.
+fp8kturbov_status_t check_alignment(const char* entry, const char* name, const void* p, unsigned alignment) {
+  if (reinterpret_cast<uintptr_t>(p) % alignment != 0)
+    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "%s = %p is not %u-byte aligned", name, p, alignment);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+#define FP8KTURBOV_CHECK_ALIGNED(field, alignment) \
+  FP8KTURBOV_CHECK(check_alignment(entry, #field, static_cast<const void*>(p.field), alignment))
 
 // Whether bf16 rows at `rows`, `stride` elements apart, allow 16-byte accesses.
 bool allows_vector_access(const void* rows, uint64_t stride) {
   return is_aligned16(rows) && stride % 8 == 0;
-}
-
-// The write and dequantize kernels access the bf16 rows element by element where they cannot
-// vectorise, so an odd address would fault inside the kernel instead of failing here.
-fp8kturbov_status_t check_bf16_rows_aligned(const char* entry, const void* key, const void* value) {
-  if (!is_aligned2(key))
-    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "key = %p is not 2-byte aligned", key);
-  if (!is_aligned2(value))
-    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "value = %p is not 2-byte aligned", value);
-  return FP8KTURBOV_STATUS_SUCCESS;
 }
 
 // Returns SUCCESS or the first violated rule of the K and V page layout (FORMAT §2, §3).
@@ -77,6 +76,15 @@ fp8kturbov_status_t check_k_scale(const char* entry, float k_scale) {
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
+// A K scale to write with: FORMAT §2 multiplies by 1/k_scale, which below ~2^-128 is inf (a zero
+// key would become NaN).
+fp8kturbov_status_t check_k_inv_scale(const char* entry, float k_scale) {
+  if (!std::isfinite(1.0f / k_scale))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "k_scale = %g is too small: 1/k_scale overflows float", double(k_scale));
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
 // The kernels' IndexCheck from the checked-mode fields. Checked mode (num_blocks > 0) needs the
 // device word it reports to; called where the entry's other pointers are checked.
 template <typename Params>
@@ -85,9 +93,19 @@ fp8kturbov_status_t resolve_index_check(const char* entry, const Params& p, Inde
   if (p.num_blocks == 0) return FP8KTURBOV_STATUS_SUCCESS;
   if (p.error_flags == nullptr)
     return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "error_flags is NULL");
-  if (reinterpret_cast<uintptr_t>(p.error_flags) % alignof(uint32_t) != 0)
-    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "error_flags = %p is not 4-byte aligned",
-                static_cast<const void*>(p.error_flags));
+  FP8KTURBOV_CHECK_ALIGNED(error_flags, alignof(uint32_t));
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// Checked mode: the pages a pool holds (num_blocks of `page_bytes`) must have addresses, or the
+// kernels' page offsets would wrap past 2^64 and reach memory below the pool.
+fp8kturbov_status_t check_pool_extent(const char* entry, const char* pool, const void* base, uint64_t num_blocks,
+                                      uint64_t page_bytes) {
+  const uint64_t room = UINT64_MAX - uint64_t(reinterpret_cast<uintptr_t>(base));
+  if (num_blocks != 0 && page_bytes > room / num_blocks)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_blocks = %" PRIu64 " pages of %" PRIu64 " bytes from %s = %p pass the end of the address space",
+                num_blocks, page_bytes, pool, base);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
@@ -129,6 +147,16 @@ fp8kturbov_status_t check_token_rows(const char* entry, const Params& p, uint64_
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
+// The alignment of the write's and the dequantize's arrays, and checked mode's pool extents.
+template <typename Params>
+fp8kturbov_status_t check_token_pointers(const char* entry, const Params& p) {
+  FP8KTURBOV_CHECK_ALIGNED(key, 2);
+  FP8KTURBOV_CHECK_ALIGNED(value, 2);
+  FP8KTURBOV_CHECK_ALIGNED(slot_mapping, alignof(int64_t));
+  FP8KTURBOV_CHECK(check_pool_extent(entry, "k_cache", p.k_cache, p.num_blocks, p.k_block_stride_bytes));
+  return check_pool_extent(entry, "v_cache", p.v_cache, p.num_blocks, p.v_block_stride_bytes);
+}
+
 // Calls launch(std::integral_constant<int, BITS>) for the built width `bits` and reports it.
 template <typename Launch>
 fp8kturbov_status_t launch_for_bits(const char* entry, uint32_t bits, Launch launch) {
@@ -142,6 +170,14 @@ fp8kturbov_status_t launch_for_bits(const char* entry, uint32_t bits, Launch lau
       return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
                   "v_bits = %u was not built (CMake option FP8KTURBOV_V_BITS)", bits);
   }
+}
+
+// The V encoder of a write or a decode's append: a known value.
+fp8kturbov_status_t check_v_encoder(const char* entry, uint32_t v_encoder) {
+  if (v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM && v_encoder != FP8KTURBOV_V_ENCODER_MSE)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "v_encoder = %u is not FP8KTURBOV_V_ENCODER_MATCHED_NORM (0) or _MSE (1)", v_encoder);
+  return FP8KTURBOV_STATUS_SUCCESS;
 }
 
 // The V rotation of a write or a decode: a known value, and FORMAT §6 defines it for this head_dim.
@@ -180,13 +216,8 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   g_last_error[0] = '\0';
   uint64_t row_elems = 0;
   FP8KTURBOV_CHECK(check_token_rows(entry, p, &row_elems));
-  // FORMAT §2 multiplies by 1/k_scale: below ~2^-128 that is inf and a zero key would become NaN.
-  if (!std::isfinite(1.0f / p.k_scale))
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "k_scale = %g is too small: 1/k_scale overflows float", double(p.k_scale));
-  if (p.v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM && p.v_encoder != FP8KTURBOV_V_ENCODER_MSE)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "v_encoder = %u is not FP8KTURBOV_V_ENCODER_MATCHED_NORM (0) or _MSE (1)", p.v_encoder);
+  FP8KTURBOV_CHECK(check_k_inv_scale(entry, p.k_scale));
+  FP8KTURBOV_CHECK(check_v_encoder(entry, p.v_encoder));
   FP8KTURBOV_CHECK(check_v_rotation(entry, p.v_rotation, p.head_dim));
   if (p.num_tokens == 0) return FP8KTURBOV_STATUS_SUCCESS;
   FP8KTURBOV_REQUIRE_POINTER(key);
@@ -194,7 +225,7 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   FP8KTURBOV_REQUIRE_POINTER(k_cache);
   FP8KTURBOV_REQUIRE_POINTER(v_cache);
   FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
-  FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
+  FP8KTURBOV_CHECK(check_token_pointers(entry, p));
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
@@ -223,7 +254,7 @@ fp8kturbov_status_t dequantize_impl(const char* entry, const fp8kturbov_dequanti
   FP8KTURBOV_REQUIRE_POINTER(slot_mapping);
   FP8KTURBOV_REQUIRE_POINTER(key);
   FP8KTURBOV_REQUIRE_POINTER(value);
-  FP8KTURBOV_CHECK(check_bf16_rows_aligned(entry, p.key, p.value));
+  FP8KTURBOV_CHECK(check_token_pointers(entry, p));
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
 
@@ -277,6 +308,7 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_q_len = %u exceeds %d", p.max_q_len,
                 kDecodeMaxQueryLen);
   FP8KTURBOV_CHECK(check_v_rotation(entry, p.v_rotation, p.head_dim));
+  FP8KTURBOV_CHECK(check_v_encoder(entry, p.v_encoder));
   // One CTA per (sequence, KV head, chunk of 8 query columns) at least; a grid holds < 2^31.
   const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
                              decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
@@ -337,6 +369,25 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
     return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "v_cache = %p is not %u-byte aligned",
                 p.v_cache, kDecodeVAlignment);
   return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// The fused append's fields (off with a NULL append_slot_mapping): its rows as the write's.
+fp8kturbov_status_t check_append(const char* entry, const fp8kturbov_decode_params_t& p) {
+  if (p.append_slot_mapping == nullptr) return FP8KTURBOV_STATUS_SUCCESS;
+  FP8KTURBOV_REQUIRE_POINTER(append_key);
+  FP8KTURBOV_REQUIRE_POINTER(append_value);
+  FP8KTURBOV_CHECK_ALIGNED(append_key, 2);
+  FP8KTURBOV_CHECK_ALIGNED(append_value, 2);
+  FP8KTURBOV_CHECK_ALIGNED(append_slot_mapping, alignof(int64_t));
+  const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
+  if (p.append_key_stride < row_elems)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "append_key_stride = %u is smaller than a row (%" PRIu64 " elements)", p.append_key_stride, row_elems);
+  if (p.append_value_stride < row_elems)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "append_value_stride = %u is smaller than a row (%" PRIu64 " elements)", p.append_value_stride,
+                row_elems);
+  return check_k_inv_scale(entry, p.k_scale);
 }
 
 // Division of positions (< 2^31) by a runtime divisor with a multiply and a shift: the round-up
@@ -401,18 +452,21 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
       return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "workspace = %p is not 16-byte aligned",
                   p.workspace);
   }
+  FP8KTURBOV_CHECK_ALIGNED(q, 2);
+  FP8KTURBOV_CHECK_ALIGNED(output, 2);
+  FP8KTURBOV_CHECK_ALIGNED(block_tables, alignof(int32_t));
+  FP8KTURBOV_CHECK_ALIGNED(seq_lens, alignof(int32_t));
   IndexCheck index_check{};
   FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
-  if (reinterpret_cast<uintptr_t>(p.sinks) % alignof(float) != 0)
-    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "sinks = %p is not 4-byte aligned",
-                static_cast<const void*>(p.sinks));
+  FP8KTURBOV_CHECK(check_pool_extent(entry, "k_cache", p.k_cache, p.num_blocks, k_block_stride_bytes));
+  FP8KTURBOV_CHECK(check_pool_extent(entry, "v_cache", p.v_cache, p.num_blocks, p.v_block_stride_bytes));
+  FP8KTURBOV_CHECK_ALIGNED(sinks, alignof(float));
   if (p.max_q_len > 1 && p.query_start == nullptr)
     return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry,
                 "query_start is NULL but max_q_len = %u (more than one query row per sequence)",
                 p.max_q_len);
-  if (reinterpret_cast<uintptr_t>(p.query_start) % alignof(int32_t) != 0)
-    return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "query_start = %p is not 4-byte aligned",
-                static_cast<const void*>(p.query_start));
+  FP8KTURBOV_CHECK_ALIGNED(query_start, alignof(int32_t));
+  FP8KTURBOV_CHECK(check_append(entry, p));
   DecodeDevice device;
   const cudaError_t query = query_decode_device(p, &device);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
@@ -451,6 +505,21 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   args.max_q_len = p.query_start != nullptr ? query_rows_per_seq(p) : 1u;
   args.num_query_rows = p.query_start != nullptr ? p.num_query_rows : p.num_seqs;
   args.rotated_v = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD;
+  if (p.append_slot_mapping != nullptr) {
+    AppendArgs& append = args.append;
+    append.key = static_cast<const uint16_t*>(p.append_key);
+    append.value = static_cast<const uint16_t*>(p.append_value);
+    append.slot_mapping = p.append_slot_mapping;
+    // The fused append writes the pools the decode reads (fp8kturbov.h: writable then).
+    append.k_cache = static_cast<uint8_t*>(const_cast<void*>(p.k_cache));
+    append.v_cache = static_cast<uint8_t*>(const_cast<void*>(p.v_cache));
+    append.key_stride = p.append_key_stride;
+    append.value_stride = p.append_value_stride;
+    append.key_vector_loads = allows_vector_access(p.append_key, p.append_key_stride);
+    append.value_vector_loads = allows_vector_access(p.append_value, p.append_value_stride);
+    append.k_inv_scale = 1.0f / p.k_scale;
+    append.mse_encoder = p.v_encoder == FP8KTURBOV_V_ENCODER_MSE;
+  }
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
   if (!built)

@@ -66,7 +66,7 @@ fp8kturbov_status_t init_params(const char* entry, Params* params, size_t size,
 constexpr size_t kWriteParamsVersions[] = {FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8KTURBOV_WRITE_PARAMS_V2_SIZE};
 constexpr size_t kDequantizeParamsVersions[] = {FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE};
 constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE, FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
-                                             FP8KTURBOV_DECODE_PARAMS_V3_SIZE};
+                                             FP8KTURBOV_DECODE_PARAMS_V3_SIZE, FP8KTURBOV_DECODE_PARAMS_V4_SIZE};
 static_assert(offsetof(fp8kturbov_write_params_t, num_blocks) == FP8KTURBOV_WRITE_PARAMS_V1_SIZE,
               "the version-1 write struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_write_params_t, v_encoder) == FP8KTURBOV_WRITE_PARAMS_V2_SIZE,
@@ -77,8 +77,10 @@ static_assert(offsetof(fp8kturbov_decode_params_t, num_blocks) == FP8KTURBOV_DEC
               "the version-1 decode struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_decode_params_t, sinks) == FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
               "the version-2 decode struct ends where sinks begins");
-static_assert(offsetof(fp8kturbov_decode_params_t, block_tables_stride) == FP8KTURBOV_DECODE_PARAMS_V3_SIZE &&
-                  sizeof(fp8kturbov_decode_params_t) > FP8KTURBOV_DECODE_PARAMS_V3_SIZE,
+static_assert(offsetof(fp8kturbov_decode_params_t, block_tables_stride) == FP8KTURBOV_DECODE_PARAMS_V3_SIZE,
               "the version-3 decode struct ends where block_tables_stride begins");
+static_assert(offsetof(fp8kturbov_decode_params_t, append_key) == FP8KTURBOV_DECODE_PARAMS_V4_SIZE &&
+                  sizeof(fp8kturbov_decode_params_t) > FP8KTURBOV_DECODE_PARAMS_V4_SIZE,
+              "the version-4 decode struct ends where the append fields begin");
 
 }  // namespace fp8kturbov

@@ -39,6 +39,7 @@
 
 #include "format.cuh"
 #include "kernel_args.h"
+#include "decode/append.cuh"
 #include "decode/ptx.cuh"
 #include "decode/query.cuh"
 #include "decode/ranges.cuh"
@@ -50,7 +51,9 @@
 
 namespace fp8kturbov {
 
-template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED, bool GROUPED, bool SHARES>
+// APPEND: the fused append (DecodeArgs::append) on, in instances of its own, so that the encoders'
+// registers cost the decode alone nothing (inlined, they cost some shapes a CTA per multiprocessor).
+template <int BITS, int HEAD_DIM, int CODE_COPY, bool EXTENDED, bool GROUPED, bool SHARES, bool APPEND>
 __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, HEAD_DIM, CODE_COPY, GROUPED, SHARES>()))
     paged_decode_kernel(const DecodeArgs a, const DecodePlan plan, const __grid_constant__ DecodeTensorMaps maps) {
   using S = DecodeShape<BITS, HEAD_DIM>;
@@ -166,7 +169,9 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
   // per token stream.
   const int seq_len = clamped_seq_len(a, given_seq_len);
   if (reports && seq_len != given_seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_SEQ_LEN);
-  if (reports && EXTENDED && q_len > seq_len) a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
+  // (The extended instance also serves one-token decodes of rotated V: no query_start, nothing to report.)
+  if (reports && EXTENDED && a.query_start != nullptr && q_len > seq_len)
+    a.index_check.report(FP8KTURBOV_INDEX_ERROR_QUERY_START);
   auto column_end = [&](int c) { return max(seq_len - q_len + int(column_token(c)) + 1, 0); };
   const int start = window_start(a, column_end(0));
   const int attend_end = column_end(num_columns - 1);
@@ -206,6 +211,22 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
       out_of_range |= a.index_check.page_out_of_range(__ldg(table + block));
     pages_masked = __syncthreads_or(out_of_range) != 0;
     if (pages_masked && tid == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE);
+  }
+  // The fused append (append.cuh): the new tokens inside this CTA's range, written before the
+  // pipeline starts, so before any copy of the CTA reads them; the ring, not yet in use, holds the
+  // codebook table and the MSE encoder's groups. (Written inside the prologue, to overlap its
+  // copies, the encoders' registers cost the tile loop spills.)
+  if constexpr (APPEND) {
+    const int first_new = seq_len - q_len;  // the position of query token 0
+    const int token_begin = max(range_begin - first_new, 0);
+    const int token_end = min(range_end - first_new, q_len);
+    if (token_begin < token_end) {
+      static_assert(sizeof(AppendScratch<BITS>) <= L::kRingBytes, "the append's scratch fits the ring");
+      append_new_tokens<BITS, HEAD_DIM, EXTENDED && kRotatableHeadDim<HEAD_DIM>>(
+          a, *reinterpret_cast<AppendScratch<BITS>*>(ring), row0 + uint32_t(token_begin),
+          uint32_t(token_end - token_begin), first_kv_head, GROUPED ? S::kStreams : 1);
+      __syncthreads();
+    }
   }
   // Scores in the log2 domain: s2 = (q·k) · k_scale · inv_sqrt_d · log2(e), or with soft-capping
   // s2 = cap · tanh((q·k) · k_scale · inv_sqrt_d / cap) · log2(e).

@@ -20,7 +20,7 @@ struct DecodeInstance {
 
 // The decode kernel instance for a pool layout (wide_code_copy: the shape's widest code copy, else
 // 4 bytes) and a variant (DecodeVariant).
-template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED, bool SHARES>
+template <int BITS, int HEAD_DIM, bool EXTENDED, bool GROUPED, bool SHARES, bool APPEND>
 DecodeInstance decode_instance(bool wide_code_copy) {
   if constexpr (GROUPED && !decode_head_groups_built(BITS, HEAD_DIM)) {
     return {nullptr, 0};
@@ -28,23 +28,25 @@ DecodeInstance decode_instance(bool wide_code_copy) {
     constexpr int kWideCopy = DecodeShape<BITS, HEAD_DIM>::kMaxCodeCopy;
     const void* kernel =
         wide_code_copy
-            ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED, GROUPED, SHARES>)
-            : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED, GROUPED, SHARES>);
+            ? reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, kWideCopy, EXTENDED, GROUPED, SHARES, APPEND>)
+            : reinterpret_cast<const void*>(&paged_decode_kernel<BITS, HEAD_DIM, 4, EXTENDED, GROUPED, SHARES, APPEND>);
     return {kernel, DecodeSmem<BITS, HEAD_DIM, GROUPED>::kBytes};
   }
 }
 
 // The variants a launch needs, from its arguments and plan: EXTENDED (several query tokens or rotated
 // V), GROUPED (head groups, DecodePlan::stream_partials > 1: the planner allows them for the default
-// decode only) and SHARES (DecodePlan::length_shares; the extended instance follows the plan's flag).
+// decode only), SHARES (DecodePlan::length_shares; the extended instance follows the plan's flag)
+// and APPEND (the fused append).
 struct DecodeVariant {
   bool extended;
   bool grouped;
   bool shares;
+  bool append;
 };
 inline DecodeVariant decode_variant(const DecodeArgs& args, const DecodePlan& plan) {
   const bool extended = args.query_start != nullptr || args.rotated_v;
-  return {extended, !extended && plan.stream_partials > 1, !extended && plan.length_shares};
+  return {extended, !extended && plan.stream_partials > 1, !extended && plan.length_shares, args.append.enabled()};
 }
 
 // The built variants of a (BITS, HEAD_DIM), one row each (the kernel's template flags): adding a
@@ -57,15 +59,20 @@ DecodeInstance decode_instance(const DecodeVariant& variant, bool wide_code_copy
     DecodeInstance (*instance)(bool wide_code_copy);
   };
   static constexpr Row kRows[] = {
-      {{false, false, false}, &decode_instance<BITS, HEAD_DIM, false, false, false>},
-      {{false, false, true}, &decode_instance<BITS, HEAD_DIM, false, false, true>},
-      {{false, true, false}, &decode_instance<BITS, HEAD_DIM, false, true, false>},
-      {{false, true, true}, &decode_instance<BITS, HEAD_DIM, false, true, true>},
-      {{true, false, false}, &decode_instance<BITS, HEAD_DIM, true, false, false>},
+      {{false, false, false, false}, &decode_instance<BITS, HEAD_DIM, false, false, false, false>},
+      {{false, false, true, false}, &decode_instance<BITS, HEAD_DIM, false, false, true, false>},
+      {{false, true, false, false}, &decode_instance<BITS, HEAD_DIM, false, true, false, false>},
+      {{false, true, true, false}, &decode_instance<BITS, HEAD_DIM, false, true, true, false>},
+      {{true, false, false, false}, &decode_instance<BITS, HEAD_DIM, true, false, false, false>},
+      {{false, false, false, true}, &decode_instance<BITS, HEAD_DIM, false, false, false, true>},
+      {{false, false, true, true}, &decode_instance<BITS, HEAD_DIM, false, false, true, true>},
+      {{false, true, false, true}, &decode_instance<BITS, HEAD_DIM, false, true, false, true>},
+      {{false, true, true, true}, &decode_instance<BITS, HEAD_DIM, false, true, true, true>},
+      {{true, false, false, true}, &decode_instance<BITS, HEAD_DIM, true, false, false, true>},
   };
   for (const Row& row : kRows)
     if (row.variant.extended == variant.extended && row.variant.grouped == variant.grouped &&
-        row.variant.shares == variant.shares)
+        row.variant.shares == variant.shares && row.variant.append == variant.append)
       return row.instance(wide_code_copy);
   return {nullptr, 0};
 }
@@ -149,7 +156,7 @@ cudaError_t decode_ctas_per_sm(int device, bool head_groups, int* count) {
   // memory size, and its twin for split shares as many CTAs per SM (decode_min_ctas_per_sm); the
   // head groups' hold more query rows.
   const auto [kernel, smem_bytes] =
-      decode_instance<BITS, HEAD_DIM>(DecodeVariant{false, head_groups, false}, true);
+      decode_instance<BITS, HEAD_DIM>(DecodeVariant{false, head_groups, false, false}, true);
   if (kernel == nullptr) {  // head groups not built for this shape
     *count = 0;
     return cudaSuccess;

@@ -153,6 +153,12 @@ __device__ __forceinline__ void allow_dependent_launch() {
 __device__ __forceinline__ void wait_for_prerequisite_grid() {
   if constexpr (kArchHasTensorCopies) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
+// Orders this thread's earlier writes to global memory before the tensor copies (the async
+// proxy) that the CTA issues after a following barrier: the fused append's tokens, which the
+// decode's copies read back.
+__device__ __forceinline__ void fence_writes_before_tensor_copies() {
+  if constexpr (kArchHasTensorCopies) asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 // Fetches a tensor map (a kernel parameter) into the copy engine's descriptor cache ahead of the
 // first copy that uses it.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {

@@ -5,7 +5,8 @@ Commands: ``bench`` (decode and write against the memory roofline; see `fp8kturb
 ``info`` (library, architectures, driver and GPUs; see `fp8kturbov.tools.info`), ``demo`` (write and
 decode a ragged batch, checked against the NumPy reference; see `fp8kturbov.tools.demo`), ``quality``
 (V quantisation error of each width/encoder/rotation and of FP8/NVFP4 peers on synthetic data, NumPy
-reference only; see `fp8kturbov.tools.quality`). Top-level
+reference only; see `fp8kturbov.tools.quality`), ``generate`` and ``perplexity`` (a Hugging Face
+model on the compressed cache; see `fp8kturbov.tools.generate`, `fp8kturbov.tools.perplexity`). Top-level
 flags for build systems: ``--include-dir`` (the folder holding ``fp8kturbov.h``) and
 ``--library`` (the path of ``libfp8kturbov.so``). This module holds the parser and the handlers
 only. Each command is a subparser with a ``handler(args) -> exit status``; add one to
@@ -22,33 +23,15 @@ from fp8kturbov import Fp8kturbovError, library_path
 from fp8kturbov._device import BenchError, Device, first_line
 from fp8kturbov._limits import DEFAULT_SPARSE_V_THRESHOLD
 
-from . import compare, demo, info, model_kv, quality
-from .bench.config import (LENGTHS, MAX_Q_LEN, MAX_SEED, OPS, V_ENCODER_NAMES, V_ROTATION_NAMES, Config,
-                           parse_count, parse_count_or_zero, parse_counts, parse_q_len, parse_seed,
+from . import compare, demo, info, model_kv, quality, quality_in_loop
+from . import generate, perplexity  # torch and transformers are imported when they run
+from .bench.config import (APPENDS, LENGTHS, MAX_Q_LEN, MAX_SEED, OPS, V_ENCODER_NAMES, V_ROTATION_NAMES, Config,
+                           parse_appends, parse_q_len, parse_seed,
                            parse_shapes)
+from .arguments import COUNT, COUNT_OR_ZERO, COUNTS, typed
 from .console import MiB
 
 PROG = "python -m fp8kturbov"
-
-
-def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """An argparse ``type`` whose ValueError message reaches the user."""
-
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
-#: The argparse types of the counts: each at most `bench.config.MAX_COUNT`, so that an
-#: out-of-range one is a usage error.
-COUNT = _typed(parse_count)
-COUNTS = _typed(parse_counts)
-COUNT_OR_ZERO = _typed(parse_count_or_zero)
 
 
 def _shapes_text(shapes: Sequence[tuple[int, int]]) -> str:
@@ -68,14 +51,14 @@ def add_head_arguments(parser: argparse.ArgumentParser, num_q_heads: int, num_kv
 
 def add_q_len_argument(parser: argparse.ArgumentParser, q_len: int) -> None:
     """``--q-len`` (query tokens per sequence, 1..MAX_Q_LEN) with this default."""
-    parser.add_argument("--q-len", type=_typed(parse_q_len), metavar="N", default=q_len,
+    parser.add_argument("--q-len", type=typed(parse_q_len), metavar="N", default=q_len,
                         help=f"decode N query tokens per sequence (multi-token decode through "
                         f"query_start), 1..{MAX_Q_LEN} (default: {q_len})")
 
 
 def add_seed_argument(parser: argparse.ArgumentParser, seed: int) -> None:
     """``--seed`` (of NumPy's default_rng, 0..MAX_SEED) with this default."""
-    parser.add_argument("--seed", type=_typed(parse_seed), metavar="N", default=seed,
+    parser.add_argument("--seed", type=typed(parse_seed), metavar="N", default=seed,
                         help=f"random seed, 0..{MAX_SEED} (default: {seed})")
 
 
@@ -85,7 +68,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     join = ",".join
     parser.add_argument("--op", choices=("decode", "write", "all"), default="all",
                         help="which operation to time (default: all)")
-    parser.add_argument("--shapes", type=_typed(parse_shapes), default=d.shapes,
+    parser.add_argument("--shapes", type=typed(parse_shapes), default=d.shapes,
                         metavar="BxL,...", help="decode shapes, batch x context tokens; a 'k' "
                         f"suffix means x1024 (default: {_shapes_text(d.shapes)})")
     parser.add_argument("--tokens", type=COUNTS, default=d.tokens, metavar="N,...",
@@ -125,6 +108,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode sequence lengths of a shape BxL: all L ('equal'), or sequence i "
                         "of B holding ceil(L * (i + 1) / B) tokens ('ramp': mixed lengths up to L, "
                         f"about half the tokens; the dense peers are not run) (default: {d.lengths})")
+    parser.add_argument("--append", type=typed(parse_appends), metavar="MODE,...", default=d.appends,
+                        help="decode rows per shape, one per mode, by how the step writes each query row's "
+                        "new token before attending it: none (the decode alone), fused (the decode's "
+                        "fused append: one launch), write (the cache write, then the decode) "
+                        f"(choices: {join(APPENDS)}; default: {join(d.appends)})")
     parser.add_argument("--table-positions", type=COUNT, metavar="N", default=d.table_positions,
                         help="decode block-table rows N positions wide (an engine's longest context; "
                         "N >= every L), passed as a column slice of the shape's pages "
@@ -146,7 +134,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "while its stream waits: with the gate, the bench never finished under "
                         "compute-sanitizer --tool initcheck")
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
-    parser.add_argument("--plot", metavar="PATH.png", help="write a roofline plot (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PATH.png", help="write a roofline plot (needs matplotlib: the [plot] extra)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -157,7 +145,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
         checked=args.checked, v_encoder=args.v_encoder, soft_cap=args.soft_cap, sinks=args.sinks,
-        v_rotation=args.v_rotation, q_len=args.q_len, lengths=args.lengths,
+        v_rotation=args.v_rotation, q_len=args.q_len, lengths=args.lengths, appends=args.append,
         table_positions=args.table_positions, whole_table_rows=args.whole_table_rows,
         peers=not args.no_peers, seed=args.seed,
         ceiling_bytes=args.ceiling_mib * MiB, power_window_s=args.power_window)
@@ -232,7 +220,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a further round: the same two builds run again (repeatable). Each time "
                         "is then the median over the rounds, each change that of the medians, and "
                         "every round's change is listed too")
-    parser.add_argument("--max-slowdown", type=_typed(compare.parse_percent), metavar="PCT",
+    parser.add_argument("--max-slowdown", type=typed(compare.parse_percent), metavar="PCT",
                         help="exit with status 1 where a decode or write row is more than PCT %% "
                         "slower than in the baseline (over several rounds: its median), or was "
                         "measured in one file and skipped in the other (default: no limit, status 0)")
@@ -350,12 +338,45 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also the K/V/queries of a real model, SmolLM2-135M run in NumPy (about a "
                              f"minute; install it with: {model_kv.INSTALL_HINT})")
     parser.add_argument("--model-tokens", type=COUNT, metavar="N", default=d.model_tokens,
-                        help="run the model over the first N tokens of its text (default: all, about 400)")
+                        help="run the model over the first N tokens of its text (default: all, about 400; "
+                             f"with --in-loop {quality_in_loop.DEFAULT_TOKENS})")
+    parser.add_argument("--in-loop", action="store_true",
+                        help="with --model: perplexity, KL and top-1 agreement with every layer reading K and V "
+                             "through the format (fp8kturbov.tools.quality_in_loop; about ten minutes)")
+    parser.add_argument("--text", metavar="FILE", help="with --in-loop: the UTF-8 text to run the model over "
+                        "(default: the bundled chapters of Alice's Adventures in Wonderland)")
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
+
+
+def run_quality_in_loop(args: argparse.Namespace) -> int:
+    """``quality --model --in-loop``: `fp8kturbov.tools.quality_in_loop.run_in_loop`, its table and JSON."""
+    try:
+        config = quality_in_loop.InLoopConfig(text=args.text, bits=tuple(args.bits),
+                                              tokens=args.model_tokens or quality_in_loop.DEFAULT_TOKENS)
+        rows, seconds = quality_in_loop.main_rows(config)
+    except (ValueError, OSError, model_kv.ModelUnavailable) as exc:
+        _error(first_line(exc), "quality")
+        return 2
+    except KeyboardInterrupt:
+        _error("interrupted", "quality")
+        return 130
+    print(quality_in_loop.format_table(rows, config, seconds))
+    if args.json:
+        try:
+            quality_in_loop.write_json(args.json, rows, config)
+        except OSError as exc:
+            _error(first_line(exc), "quality")
+            return 1
+    return 0
 
 
 def run_quality(args: argparse.Namespace) -> int:
     """``quality``: run `fp8kturbov.tools.quality.run_quality`, print the table, write the JSON where asked."""
+    if args.in_loop or args.text:
+        if not (args.model and args.in_loop):
+            _error("--in-loop and --text need --model --in-loop", "quality")
+            return 2
+        return run_quality_in_loop(args)
     try:
         config = quality.Config(seed=args.seed, tokens=args.tokens, queries=args.queries,
                                 num_kv_heads=args.kv_heads, head_dim=args.head_dim, bits=tuple(args.bits),
@@ -415,11 +436,23 @@ COMMANDS: tuple[tuple[str, str, str, Callable[[argparse.ArgumentParser], None] |
      add_demo_arguments, run_demo),
     ("quality", "V quantisation error per width/encoder/rotation on synthetic and real K/V",
      "With the NumPy reference only (no GPU): for each V width, encoder "
-     "(matched_norm, mse) and rotation, on synthetic Gaussian, Student-t(4) and outlier-heavy V "
+     "(matched_norm, mse, projection) and rotation, on synthetic Gaussian, Student-t(4) and outlier-heavy V "
      "(and, with --model, on the K/V of a real model), print the V normalised MSE and the "
      "attention-output relative error against unquantised float64 attention, with FP8 K+V and "
-     "NVFP4-style V peers.",
+     "NVFP4-style V peers. With --model --in-loop: the model's perplexity, KL and top-1 agreement "
+     "with every layer reading K and V through the format.",
      add_quality_arguments, run_quality),
+    ("generate", "greedy generation of a Hugging Face model on the compressed cache",
+     "Load a transformers model folder on the fp8kturbov attention and cache (CUDA: the kernels; "
+     "CPU: the NumPy reference, slow), generate greedily from the prompts (one left-padded batch), "
+     "print the continuations, the decode tokens/s and the cache's bytes. Needs the [transformers] extra.",
+     generate.add_arguments, generate.main),
+    ("perplexity", "teacher-forced perplexity, KL and top-1 agreement of a model on the cache",
+     "Feed a text to a transformers model on its own cache and on the compressed cache of each "
+     "--v-bits (and the --baseline caches) side by side; print each cache's perplexity, mean KL "
+     "divergence from the own cache's next-token distributions and top-1 agreement with it, with a "
+     "progress bar; --json writes them. Needs the [transformers] extra.",
+     perplexity.add_arguments, perplexity.main),
 )
 
 

@@ -57,12 +57,13 @@ from .console import format_number, format_table
 #: of different sizes; for decode and write rows it follows from the `Shape` fields.
 ROW_IDENTITY = ("op", "shape", *(f.name for f in dataclasses.fields(Shape) if f.name != "op"))
 #: `Shape` fields that older files lack, with the value their decode rows had (write rows:
-#: null). Files of library 0.2 lack ``q_len``, those written before the bench's ``--lengths`` and
-#: ``--table-positions`` the others.
-LATER_DECODE_FIELDS = {"q_len": 1, "lengths": "equal", "table_positions": 0, "whole_table_rows": False}
+#: null). Files of library 0.2 lack ``q_len``, those written before the bench's ``--lengths``,
+#: ``--table-positions`` and ``--append`` the others.
+LATER_DECODE_FIELDS = {"q_len": 1, "lengths": "equal", "table_positions": 0, "whole_table_rows": False,
+                       "append": "none"}
 #: Config fields that only choose which cases run: not warned about, as a case of one file only
 #: is listed as such.
-CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims")
+CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims", "appends")
 #: The config fields whose difference is a warning.
 COMPARED_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in CASE_SELECTION)
 #: Device fields that must agree for the times to be comparable: the GPU, and the timing gate
@@ -306,7 +307,8 @@ def shape_text(row: dict[str, Any]) -> str:
     """The bench's shape text of ``row``, followed for a decode row by what else it measures
     where that is not the default: `` q<N>`` for N > 1 query tokens per sequence, `` ramp`` for
     sequences of mixed lengths, `` rows <N>`` (`` rows <N> whole``) for block-table rows of N
-    positions passed as a column slice (whole)."""
+    positions passed as a column slice (whole), `` +fused`` / `` +write`` for a step that appends
+    its new tokens first."""
     fields = dict(zip(ROW_IDENTITY, row_identity(row)))
     parts = [row["shape"]]
     if (fields["q_len"] or 1) > 1:
@@ -315,6 +317,8 @@ def shape_text(row: dict[str, Any]) -> str:
         parts.append(fields["lengths"])
     if fields["table_positions"]:
         parts.append(f"rows {fields['table_positions']}" + (" whole" if fields["whole_table_rows"] else ""))
+    if fields["append"] not in (None, "none"):
+        parts.append(f"+{fields['append']}")
     return " ".join(parts)
 
 

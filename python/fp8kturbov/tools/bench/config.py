@@ -24,6 +24,10 @@ OPS = ("decode", "write")
 #: sequence ``i`` of ``B`` holding ``ceil(C * (i + 1) / B)`` ("ramp": up to ``C``, about half of
 #: the tokens, a batch of mixed lengths such as continuous batching makes).
 LENGTHS = ("equal", "ramp")
+#: How a decode row's step writes its new tokens (one per query row) before it attends them:
+#: not at all ("none": the decode alone), by the decode's fused append ("fused": one launch), or
+#: by the cache write followed by the decode ("write": two launches).
+APPENDS = ("none", "fused", "write")
 V_BITS = (2, 3, 4)
 V_ENCODER_NAMES = tuple(encoder.name.lower() for encoder in VEncoder)
 V_ROTATION_NAMES = tuple(rotation.name.lower() for rotation in VRotation)
@@ -121,6 +125,15 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(shapes)
 
 
+def parse_appends(text: str) -> tuple[str, ...]:
+    """A comma-separated list of `APPENDS` modes: ``"none,fused"`` -> ``("none", "fused")``."""
+    modes = tuple(item.strip() for item in text.split(","))
+    unknown = [mode for mode in modes if mode not in APPENDS]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not one of {', '.join(APPENDS)}")
+    return modes
+
+
 def sequence_lengths(batch: int, context: int, lengths: str) -> np.ndarray:
     """The int32 ``seq_lens`` of a decode shape ``batch x context`` (tokens), as `LENGTHS` says."""
     if lengths == "ramp":
@@ -152,6 +165,7 @@ class Config:
     v_rotation: str = "none"  # write and decode with this V rotation (a lower-case VRotation name)
     q_len: int = 1  # decode: query tokens per sequence (1: no query_start, the one-token decode)
     lengths: str = "equal"  # decode: one of LENGTHS
+    appends: tuple[str, ...] = ("none",)  # decode: a row per APPENDS entry (the step's new tokens)
     table_positions: int = 0  # decode: block-table row width in positions; 0 = each shape's context
     whole_table_rows: bool = False  # decode: plan for the row width (else pass the pages, stride = width)
     peers: bool = True  # not run with q_len > 1: they decode one query token per sequence
@@ -189,6 +203,9 @@ class Config:
                          for d in self.head_dims if d not in ROTATION_HEAD_DIMS]
         if self.lengths not in LENGTHS:
             problems.append(f"lengths {self.lengths!r} is not one of {LENGTHS}")
+        problems += [f"append {mode!r} is not one of {APPENDS}" for mode in self.appends if mode not in APPENDS]
+        if not self.appends:
+            problems.append(f"appends is empty: give at least one of {APPENDS}")
         if not 1 <= self.q_len <= MAX_Q_LEN:
             problems.append(f"q_len = {self.q_len} must be in 1..{MAX_Q_LEN}")
         elif "decode" in self.ops:
@@ -214,7 +231,8 @@ class Shape:
     ``op == "decode"``: ``batch`` sequences of up to ``context`` cached tokens (`seq_lens`),
     ``q_len`` query tokens each (the last ``q_len`` positions; with ``q_len > 1`` passed through
     ``query_start``), each sequence on ``blocks_per_seq`` pages of its own; its block-table rows
-    are ``table_blocks`` pages wide, of which the launch plans for `planned_blocks`.
+    are ``table_blocks`` pages wide, of which the launch plans for `planned_blocks`; ``append``
+    (`APPENDS`) says how the step writes each query row's new token first.
     ``op == "write"``: ``batch`` token rows written, ``context == 0``, ``q_len == 1``, and the
     decode's fields at their defaults.
     """
@@ -231,6 +249,7 @@ class Shape:
     lengths: str = "equal"
     table_positions: int = 0
     whole_table_rows: bool = False
+    append: str = "none"
 
     @property
     def label(self) -> str:
@@ -310,8 +329,14 @@ class Shape:
         """Bytes of `query_start` (int32), 0 where there is none."""
         return 0 if self.q_len == 1 else (self.batch + 1) * 4
 
+    @property
+    def appended_tokens(self) -> int:
+        """Token rows the step writes before the decode: one per query row, or none."""
+        return 0 if self.op != "decode" or self.append == "none" else self.query_rows
+
     def describe(self) -> str:
-        return f"{self.op} {self.bits}b D{self.head_dim} {self.label}"
+        step = "" if self.append == "none" else f" +{self.append} append"
+        return f"{self.op} {self.bits}b D{self.head_dim} {self.label}{step}"
 
 
 def build_cases(config: Config) -> list[Shape]:
@@ -323,11 +348,13 @@ def build_cases(config: Config) -> list[Shape]:
                                     table_positions=config.table_positions,
                                     whole_table_rows=config.whole_table_rows),
                      "write": {}}
-    return [Shape(op, bits, batch, context, head_dim, *heads, **decode_fields[op])
+    appends = {"decode": config.appends, "write": ("none",)}
+    return [Shape(op, bits, batch, context, head_dim, *heads, **decode_fields[op], append=append)
             for op in OPS if op in config.ops
             for head_dim in config.head_dims
             for batch, context in sizes[op]
-            for bits in config.bits]
+            for bits in config.bits
+            for append in appends[op]]
 
 
 # ---- Byte counts (all in bytes) ----------------------------------------------------------------
@@ -345,16 +372,23 @@ def launch_bytes(shape: Shape) -> int:
 
     decode: the cache bytes of every attended token (once, whatever ``q_len``: the query tokens
     of a sequence attend its positions together), q read and the output written (bf16,
-    ``q_len`` rows per sequence), the used block-table entries and seq_lens (int32), and
-    ``query_start`` (int32) where ``q_len > 1``. write: the bf16 K and V rows read, their cache
-    bytes written, and the int64 slot mapping.
+    ``q_len`` rows per sequence), the used block-table entries and seq_lens (int32),
+    ``query_start`` (int32) where ``q_len > 1``, and the appended tokens' write
+    (`Shape.appended_tokens`). write: the bf16 K and V rows read, their cache bytes written, and
+    the int64 slot mapping.
     """
     if shape.op == "decode":
         tables = (shape.used_blocks + shape.batch) * 4
         return (shape.attended_tokens * cache_bytes_per_token(shape)
-                + 2 * shape.q_elems * BF16_BYTES + tables + shape.query_start_bytes)
-    rows_read = shape.batch * shape.row_elems * 2 * BF16_BYTES
-    return rows_read + shape.batch * (cache_bytes_per_token(shape) + 8)
+                + 2 * shape.q_elems * BF16_BYTES + tables + shape.query_start_bytes
+                + written_bytes(shape, shape.appended_tokens))
+    return written_bytes(shape, shape.batch)
+
+
+def written_bytes(shape: Shape, tokens: int) -> int:
+    """Bytes of a write of ``tokens`` rows: their bf16 K and V read, their cache bytes written,
+    their int64 slots read."""
+    return tokens * (2 * shape.row_elems * BF16_BYTES + cache_bytes_per_token(shape) + 8)
 
 
 def peer_bytes(shape: Shape, kv_element_bytes: int) -> int:
@@ -370,7 +404,7 @@ def device_bytes(shape: Shape, sets: int) -> int:
     pools = pool_slots * cache_bytes_per_token(shape)
     if shape.op == "decode":
         per_set = (pools + 2 * shape.q_elems * BF16_BYTES + shape.batch * (shape.table_blocks + 1) * 4
-                   + shape.query_start_bytes)
+                   + shape.query_start_bytes + shape.appended_tokens * (2 * shape.row_elems * BF16_BYTES + 8))
     else:
         per_set = pools + shape.batch * (2 * shape.row_elems * BF16_BYTES + 8)
     return sets * per_set

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -153,7 +154,7 @@ def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Confi
         if shape.table_blocks != shape.planned_blocks:
             options["block_tables_stride"] = shape.table_blocks
         options.update(query_start_arguments(dev, shape))
-    elif config.v_encoder != "matched_norm":
+    if config.v_encoder != "matched_norm" and (shape.op == "write" or shape.append == "fused"):
         options["v_encoder"] = VEncoder[config.v_encoder.upper()]
     return options
 
@@ -167,11 +168,13 @@ def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) 
 
 
 def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: WriteBuffers,
-                 stream: Any, options: dict[str, Any] | None = None) -> None:
-    """The benchmark's one call of the library's cache write (``options``: `launch_options`)."""
+                 stream: Any, options: dict[str, Any] | None = None, num_tokens: int | None = None) -> None:
+    """The benchmark's one call of the library's cache write (``options``: `launch_options`) of
+    ``num_tokens`` rows (default: a write shape's ``batch``)."""
     reshape_and_cache(
         buffers.key, buffers.value, buffers.k_cache, buffers.v_cache, buffers.slot_mapping,
-        num_tokens=shape.batch, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        num_tokens=shape.batch if num_tokens is None else num_tokens, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         block_size=shape.block_size, key_stride=shape.row_elems, value_stride=shape.row_elems,
         k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout), **(options or {}))
 
@@ -183,29 +186,65 @@ def block_table(shape: Shape, rng: np.random.Generator) -> np.ndarray:
     return np.pad(pages, ((0, 0), (0, shape.table_blocks - shape.blocks_per_seq)))
 
 
+def step_slots(shape: Shape, table: np.ndarray) -> np.ndarray:
+    """The int64 slots of the step's new tokens through the block table: query row ``i`` of
+    sequence ``s`` at position ``seq_len - q_len + i``."""
+    positions = shape.seq_lens[:, None].astype(np.int64) - shape.q_len + np.arange(shape.q_len)
+    pages = np.take_along_axis(table, positions // shape.block_size, axis=1).astype(np.int64)
+    return (pages * shape.block_size + positions % shape.block_size).reshape(-1)
+
+
+def step_enqueue(dev: Device, shape: Shape, config: Config, layout: CacheLayout, k_scale: float,
+                 scalars: dict[str, Any], buffers: DecodeBuffers, table: np.ndarray,
+                 rng: np.random.Generator) -> Callable[[], None]:
+    """One step of ``shape.append``: the decode alone ("none"), with its fused append of one
+    N(0, 1) bf16 K and V row per query row ("fused"), or the cache write of those rows and then
+    the decode ("write")."""
+    decode = functools.partial(launch_decode, scalars, buffers, dev.stream)
+    if shape.append == "none":
+        return decode
+    key, value = (dev.upload(bf16_bits(rng.standard_normal((shape.query_rows, shape.row_elems), dtype=np.float32)))
+                  for _ in range(2))
+    slots = dev.upload(step_slots(shape, table))
+    if shape.append == "fused":
+        append = dict(append_key=key, append_value=value, append_slot_mapping=slots,
+                      append_key_stride=shape.row_elems, append_value_stride=shape.row_elems)
+        return functools.partial(launch_decode, {**scalars, **append}, buffers, dev.stream)
+    rows = WriteBuffers(key=key, value=value, k_cache=buffers.k_cache, v_cache=buffers.v_cache, slot_mapping=slots)
+    write = functools.partial(launch_write, shape, layout, k_scale, rows, dev.stream,
+                              launch_options(dev, dataclasses.replace(shape, op="write"), layout, config),
+                              shape.query_rows)
+
+    def write_then_decode() -> None:
+        write()
+        decode()
+    return write_then_decode
+
+
 def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
                     rng: np.random.Generator) -> list[Callable[[], None]]:
-    """One decode launch per input set: pools filled with ``chunk``, each sequence on its own
-    pages in a random order (block-table rows of `Shape.table_blocks` pages, page 0 past
-    the sequence's own), sequences as long as `Shape.seq_lens`, random bf16 q of ``q_len`` rows
-    per sequence."""
+    """One decode step per input set (`step_enqueue`): pools filled with ``chunk``, each sequence
+    on its own pages in a random order (block-table rows of `Shape.table_blocks` pages, page 0
+    past the sequence's own), sequences as long as `Shape.seq_lens`, random bf16 q of ``q_len``
+    rows per sequence."""
     layout = _layout(shape)
     scalars = decode_scalars(shape, layout, chunk.k_scale, config.sparse_v_threshold)
     workspace_bytes = paged_decode_workspace_bytes(**scalars)
     enqueues = []
     for _ in range(config.sets):
         q = rng.standard_normal(shape.q_elems, dtype=np.float32)
+        table = block_table(shape, rng)
         buffers = DecodeBuffers(
             q=dev.upload(bf16_bits(q)), k_cache=dev.alloc(layout.k_pool_bytes),
             v_cache=dev.alloc(layout.v_pool_bytes), output=dev.alloc(shape.q_elems * BF16_BYTES),
-            block_tables=dev.upload(block_table(shape, rng)),
+            block_tables=dev.upload(table),
             seq_lens=dev.upload(shape.seq_lens),
             workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
             workspace_bytes=workspace_bytes)
         replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
         replicate(dev, buffers.v_cache, layout.v_pool_bytes, chunk.v_pages)
         launch_scalars = {**scalars, **launch_options(dev, shape, layout, config)}
-        enqueues.append(functools.partial(launch_decode, launch_scalars, buffers, dev.stream))
+        enqueues.append(step_enqueue(dev, shape, config, layout, chunk.k_scale, launch_scalars, buffers, table, rng))
     return enqueues
 
 

@@ -1,4 +1,4 @@
-"""The run's report: its context (`describe_device`: GPU, driver, versions, commit), the text table
+"""The run's report: its context (`describe_device`: GPU, driver, versions, the library's build commit), the text table
 of the rows and their energy (`format_report`), and the roofline plot (`write_plot`)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from fp8kturbov import version
+from fp8kturbov._lib import build_commit, cuda_runtime_version
 from fp8kturbov._device import Device, cu, driver_call
 
 from ..console import format_number, format_table
@@ -39,21 +40,10 @@ def _module_version(name: str) -> str | None:
 def _command_output(*command: str) -> str | None:
     """The first line a command prints, or None where it is missing or fails."""
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=20, check=True,
-                             cwd=Path(__file__).parent).stdout.strip()
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return out.splitlines()[0] if out else None
-
-
-def source_commit() -> str | None:
-    """The commit of the code that runs, with "-dirty" where it had uncommitted changes: the one
-    an installed package was built from (the ``build_commit.txt`` the build puts beside it), else
-    that of the source checkout the package is imported from; None where neither is known."""
-    recorded = Path(__file__).parents[2] / "build_commit.txt"  # in fp8kturbov/, above tools/bench/
-    if recorded.is_file():
-        return recorded.read_text().strip() or None
-    return _command_output("git", "describe", "--always", "--dirty", "--exclude=*")
 
 
 def describe_device(dev: Device) -> dict[str, Any]:
@@ -69,7 +59,8 @@ def describe_device(dev: Device) -> dict[str, Any]:
         "sm_count": dev.attribute("MULTIPROCESSOR_COUNT"),
         "timing_gate": dev.gated,
         "library_version": version(),
-        "commit": source_commit(),
+        "library_cuda_runtime": cuda_runtime_version(),
+        "commit": build_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": _module_version("torch"),
@@ -91,7 +82,8 @@ TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us",
 
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     """The cells of the case rows (decode and write), in `TABLE_COLUMNS` order."""
-    return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]),
+    return [(row["op"] if row.get("append") in (None, "none") else f"{row['op']}+{row['append']}",
+             str(row["bits"]), row["shape"], str(row["head_dim"]),
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
              format_number(row["plain_read_us"], 2), format_number(row["in_graph_us"], 2),
@@ -200,7 +192,7 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not importable"
+        return "matplotlib is not installed (pip install matplotlib, or the package's [plot] extra)"
     by_op = {row["op"]: row for row in rows}
     cases = [row for row in rows if row["op"] in OPS and row["gbps"] is not None]
     if "read" not in by_op or not cases:

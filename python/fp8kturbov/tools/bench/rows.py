@@ -17,7 +17,7 @@ from .timing import Timing
 #: The ``"schema"`` of the JSON that `write_json` writes.
 BENCH_SCHEMA = "fp8kturbov-bench/1"
 #: `Shape` fields that do not apply to a write row: null in its `Result`.
-WRITE_UNSET_FIELDS = ("context", "q_len", "lengths", "table_positions", "whole_table_rows")
+WRITE_UNSET_FIELDS = ("context", "q_len", "lengths", "table_positions", "whole_table_rows", "append")
 
 
 def measured(nbytes: int, timing: Timing, ceiling_gbps: float) -> dict[str, Any]:
@@ -47,6 +47,7 @@ class Result:
     lengths: str | None = None
     table_positions: int | None = None
     whole_table_rows: bool | None = None
+    append: str | None = None
     bytes: int = 0
     median_us: float | None = None
     min_us: float | None = None
@@ -100,7 +101,9 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
         {"schema": str,
          "device": {"name": str, "driver": str|null, "cuda_driver_api": "13.0",
                     "memory_bytes": int, "l2_bytes": int, "sm_count": int,
-                    "timing_gate": bool, "library_version": str, "commit": str|null,
+                    "timing_gate": bool, "library_version": str,
+                    "library_cuda_runtime": "12.4"  the CUDA runtime the library was built with,
+                    "commit": str|null  the source commit the library was built from,
                     "date": ISO 8601 UTC, "python": str, "torch": str|null,
                     "flashinfer": str|null},
          "config": the `Config` fields,
@@ -116,6 +119,8 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                                            positions, 0 for rows of the context's pages,
                    "whole_table_rows": bool|null  whether the decode planned for the whole
                                            rows (else they were a column slice),
+                   "append": "none"|"fused"|"write"|null  how the decode's step wrote its new
+                                           tokens first (APPENDS; their bytes are counted),
                    "bytes": int            bytes the launch must move (see launch_bytes),
                    "median_us", "min_us": float|null  per launch, µs (null: skipped),
                    "samples": int,

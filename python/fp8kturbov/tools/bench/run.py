@@ -105,7 +105,7 @@ class _Runner:
         return self._plain_reads[nbytes]
 
     def chunk(self, shape: Shape) -> Chunk:
-        key = dataclasses.replace(shape, batch=0, context=0)  # the chunk depends on the layout only
+        key = dataclasses.replace(shape, batch=0, context=0, append="none")  # the chunk depends on the layout only
         if key not in self._chunks:
             self._chunks[key] = launches.encode_chunk(shape, self.config.chunk_tokens, self.rng)
         return self._chunks[key]
@@ -126,7 +126,7 @@ class _Runner:
             result.note = ", ".join(filter(None, ["L2", result.note]))
         if shape.op == "decode":
             result.plain_read_us = self.plain_read_us(result.bytes)
-            if self.config.peers and shape.q_len == 1:
+            if self.config.peers and shape.q_len == 1 and shape.append == "none":  # peers decode alone
                 result.peers = self.peer_results(shape)
                 best = peers.best_fp8_peer(result.peers)
                 if best is not None and result.median_us:
