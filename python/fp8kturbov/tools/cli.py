@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from fp8kturbov import Fp8kturbovError, library_path
 from fp8kturbov._device import BenchError, Device, first_line
@@ -353,21 +353,10 @@ def run_quality_in_loop(args: argparse.Namespace) -> int:
     try:
         config = quality_in_loop.InLoopConfig(text=args.text, bits=tuple(args.bits),
                                               tokens=args.model_tokens or quality_in_loop.DEFAULT_TOKENS)
-        rows, seconds = quality_in_loop.main_rows(config)
-    except (ValueError, OSError, model_kv.ModelUnavailable) as exc:
+    except (ValueError, OSError) as exc:
         _error(first_line(exc), "quality")
         return 2
-    except KeyboardInterrupt:
-        _error("interrupted", "quality")
-        return 130
-    print(quality_in_loop.format_table(rows, config, seconds))
-    if args.json:
-        try:
-            quality_in_loop.write_json(args.json, rows, config)
-        except OSError as exc:
-            _error(first_line(exc), "quality")
-            return 1
-    return 0
+    return _quality_report(quality_in_loop, config, args.json)
 
 
 def run_quality(args: argparse.Namespace) -> int:
@@ -384,18 +373,24 @@ def run_quality(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _error(str(exc), "quality")
         return 2
+    return _quality_report(quality, config, args.json)
+
+
+def _quality_report(module: Any, config: Any, json_path: str | None) -> int:
+    """Run a quality module (`quality` or `quality_in_loop`: ``main_rows``, ``format_table``,
+    ``write_json``) on ``config``, print its table and write its JSON where asked; the exit status."""
     try:
-        rows, seconds = quality.main_rows(config)
-    except model_kv.ModelUnavailable as exc:
-        _error(str(exc), "quality")
+        rows, seconds = module.main_rows(config)
+    except (ValueError, OSError, model_kv.ModelUnavailable) as exc:
+        _error(first_line(exc), "quality")
         return 2
     except KeyboardInterrupt:
         _error("interrupted", "quality")
         return 130
-    print(quality.format_table(rows, config, seconds))
-    if args.json:
+    print(module.format_table(rows, config, seconds))
+    if json_path:
         try:
-            quality.write_json(args.json, rows, config)
+            module.write_json(json_path, rows, config)
         except OSError as exc:
             _error(first_line(exc), "quality")
             return 1
