@@ -448,6 +448,43 @@ def test_decode_refuses_max_q_len_without_query_start(launches):
     assert launches == []
 
 
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_decode_passes_the_fused_append(make, launches, multi_token):
+    """One new K/V row per query row (3-D keys with padded rows, 2-D values), its slots and the V
+    encoder reach the launch with the rows' element strides."""
+    args = multi_token_decode_args(make) if multi_token else decode_args(make)
+    rows = ROWS if multi_token else S
+    key = make((rows, H, D), "bfloat16", strides=(N + 16, D, 1))
+    value, slots = make((rows, N), "bfloat16"), make((rows,), "int64")
+    fp8kturbov.paged_decode(cache=make_cache(), append_key=key, append_value=value, append_slot_mapping=slots,
+                            v_encoder="mse", **args)
+    kw = launched(launches, "paged_decode_attn")
+    assert (kw["append_key"], kw["append_value"], kw["append_slot_mapping"]) == (key.ptr, value.ptr, slots.ptr)
+    assert (kw["append_key_stride"], kw["append_value_stride"], kw["v_encoder"]) == (N + 16, N, fp8kturbov.VEncoder.MSE)
+    assert not any(name == "reshape_and_cache" for name, *_ in launches)  # no write launch of its own
+
+
+@pytest.mark.parametrize("given, argument", [
+    (dict(append_key=True, append_value=True), "append_key"),  # rows without slots
+    (dict(append_slot_mapping=True, append_value=True), "append_key"),
+    (dict(append_slot_mapping=True, append_key=True), "append_value"),
+    (dict(v_encoder="mse"), "v_encoder"),  # an encoder with nothing to encode
+    (dict(append_slot_mapping=True, append_key=True, append_value=True, rows=S + 1), "append_key"),
+    (dict(append_slot_mapping=True, append_key=True, append_value=True, slot_dtype="int32"),
+     "append_slot_mapping"),
+])
+def test_decode_refuses_an_incomplete_or_mismatched_fused_append(make, launches, given, argument):
+    given = dict(given)
+    rows, slot_dtype = given.pop("rows", S), given.pop("slot_dtype", "int64")
+    arrays = {"append_key": make((rows, N), "bfloat16"), "append_value": make((rows, N), "bfloat16"),
+              "append_slot_mapping": make((rows,), slot_dtype)}
+    options = {name: arrays[name] if value is True else value for name, value in given.items()}
+    with pytest.raises(ArgumentError) as error:
+        fp8kturbov.paged_decode(cache=make_cache(), **options, **decode_args(make))
+    assert error.value.argument == argument
+    assert launches == []
+
+
 def test_decode_passes_sinks_and_soft_cap(make, launches):
     args = decode_args(make)
     sinks = make((HQ,), "float32")
