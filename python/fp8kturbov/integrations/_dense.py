@@ -57,11 +57,14 @@ def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
           sinks: torch.Tensor | None) -> torch.Tensor:
     """SDPA over ``[Hq, r, D]`` queries (None ``visible``: causal, queries and keys aligned). The
     KV heads are repeated for their query heads rather than passed with ``enable_gqa``, which
-    SDPA's memory-efficient kernel (the one that takes a mask) lacks."""
+    SDPA's memory-efficient kernel (the one that takes a mask) lacks. The inputs go in as one batch
+    of ``[1, Hq, ·, D]``: the flash and memory-efficient kernels take 4-D inputs only, and with 3-D
+    ones SDPA computes every score at once (32 GiB for a 32K-token prompt of 16 heads)."""
     group = queries.shape[0] // keys.shape[0]
     return torch.nn.functional.scaled_dot_product_attention(
-        queries, keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0),
-        attn_mask=visible, is_causal=visible is None, scale=scaling).float()
+        queries[None], keys.repeat_interleave(group, dim=0)[None], values.repeat_interleave(group, dim=0)[None],
+        attn_mask=None if visible is None else visible[None, None], is_causal=visible is None,
+        scale=scaling)[0].float()
 
 
 def _float32_scores(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
