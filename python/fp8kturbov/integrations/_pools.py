@@ -44,6 +44,15 @@ def pools_for(device: torch.device, spec: PoolSpec, k_scale: float) -> KernelPoo
     raise ValueError(f"the fp8kturbov cache holds CUDA or CPU tensors, not {device.type!r} ones")
 
 
+def step_array(step: Step, device: torch.device, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The step's array ``name`` on ``device`` as ``dtype``, uploaded once per forward for every
+    layer (`Step.uploads`)."""
+    key = (name, device)
+    if key not in step.uploads:
+        step.uploads[key] = torch.from_numpy(np.ascontiguousarray(getattr(step, name))).to(device, dtype)
+    return step.uploads[key]
+
+
 def _grown(capacity: int, needed: int) -> int:
     """A capacity of at least ``needed`` pages, doubling, so that growth costs O(1) per page."""
     return max(needed, 2 * capacity, 1)
@@ -86,7 +95,7 @@ class KernelPools:
         from .. import write_kv
 
         write_kv(key.to(torch.bfloat16), value.to(torch.bfloat16), self.cache,
-                 self._upload_step(step, "slots", torch.int64), v_encoder=self.spec.v_encoder)
+                 step_array(step, self.device, "slots", torch.int64), v_encoder=self.spec.v_encoder)
 
     def decode(self, q: torch.Tensor, step: Step, *, appended: tuple[torch.Tensor, torch.Tensor],
                scaling: float, sliding_window: int, soft_cap: float, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -99,15 +108,15 @@ class KernelPools:
         key, value = appended
         return paged_decode(
             q.to(torch.bfloat16).contiguous(), self.cache,
-            self._upload_step(step, "block_tables", torch.int32),
-            self._upload_step(step, "seq_lens", torch.int32), inv_sqrt_d=scaling, sliding_window=sliding_window,
+            step_array(step, self.device, "block_tables", torch.int32),
+            step_array(step, self.device, "seq_lens", torch.int32), inv_sqrt_d=scaling, sliding_window=sliding_window,
             sparse_v_threshold=self.spec.sparse_v_threshold, soft_cap=soft_cap,
             sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
             workspace=self._workspace_for(q.shape[1], step, sliding_window, max_q_len),
-            query_start=self._upload_step(step, "query_start", torch.int32) if multi else None,
+            query_start=step_array(step, self.device, "query_start", torch.int32) if multi else None,
             max_q_len=max_q_len if multi else None, append_key=key.to(torch.bfloat16).contiguous(),
             append_value=value.to(torch.bfloat16).contiguous(),
-            append_slot_mapping=self._upload_step(step, "query_slots", torch.int64), v_encoder=self.spec.v_encoder)
+            append_slot_mapping=step_array(step, self.device, "query_slots", torch.int64), v_encoder=self.spec.v_encoder)
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from .. import dequantize_kv
@@ -126,12 +135,6 @@ class KernelPools:
     def _upload(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
 
-    def _upload_step(self, step: Step, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The step's array ``name`` on this device, uploaded once for all layers."""
-        key = (name, self.device)
-        if key not in step.uploads:
-            step.uploads[key] = self._upload(getattr(step, name), dtype)
-        return step.uploads[key]
 
     def _workspace_for(self, num_q_heads: int, step: Step, sliding_window: int,
                        max_q_len: int) -> Any:

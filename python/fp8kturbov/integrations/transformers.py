@@ -46,7 +46,7 @@ from ._dense import chunk_attention
 from ._model_layers import (DECODE_HEAD_DIMS, SERVED_LAYER_TYPES, LayerShape, PerLayer,
                             UnsupportedLayerError, attention_layers, per_layer, text_config)
 from ._paged_batch import PagedBatch, Step
-from ._pools import PoolSpec, pools_for
+from ._pools import PoolSpec, pools_for, step_array
 from ._reference_cache import ReferenceQuantizedCache
 
 __all__ = ["ATTN_IMPLEMENTATION", "DECODE_HEAD_DIMS", "SERVED_LAYER_TYPES", "Fp8kturbovCache",
@@ -116,7 +116,7 @@ class Fp8kturbovLayer(CacheLayerMixin):
         values = value.transpose(1, 2).reshape(rows, self.shape.num_kv_heads, head_dim)
         queries = query.transpose(1, 2).reshape(rows, num_q_heads, head_dim)
         every_row = len(step.query_rows) == rows
-        real_rows = None if every_row else torch.from_numpy(step.query_rows).to(query.device)
+        real_rows = None if every_row else step_array(step, query.device, "query_rows", torch.int64)
         if self.pools is None:
             self.pools = pools_for(query.device, self.spec, self._k_scale_for(keys, real_rows))
         self.pools.ensure_pages(num_pages)
