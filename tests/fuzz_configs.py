@@ -31,6 +31,12 @@ from test_checked_mode import remaining_pages
 from test_collateral_writes import BF16, PADDING, POISON
 from test_gpu_kernels import random_rows, skippable_mass_times_norm
 
+# The kernels multiply V by the softmax weights in fp16, each weight relative to a running maximum
+# no larger than the row's final one: a weight below fp16's smallest normal keeps only absolute
+# precision (2^-24) or vanishes. Where a row's mass lies on such weights alone (a q scaled up, its
+# one large score on a zero V group), its output is tiny and carries no relative precision.
+FP16_SMALLEST_NORMAL = 2.0**-14
+
 #: Head dims the decode is built for (FP8KTURBOV_HEAD_DIMS, docs/api.md).
 DECODE_HEAD_DIMS = (64, 128, 256, 512)
 #: Size classes of a configuration: "small" ones run under compute-sanitizer memcheck, "long" ones
@@ -407,8 +413,9 @@ class DequantizeRun:
 
 
 class DecodeRun:
-    """A decode with its inputs, the float64 reference output and, with sparse V, the bound on
-    its deviation (``bound``; None when the decode is exact)."""
+    """A decode with its inputs, the float64 reference output and the bound on its deviation
+    beyond rounding (``bound``): the softmax mass, times V's norm, of the positions whose weight
+    is at most the sparse-V threshold or fp16's smallest normal (FP16_SMALLEST_NORMAL)."""
 
     def __init__(self, rng: np.random.Generator, layout: Layout, step: DecodeStep, k_pool: np.ndarray,
                  v_pool: np.ndarray) -> None:
@@ -453,14 +460,13 @@ class DecodeRun:
             layout.num_kv_heads, layout.head_dim, B, step.inv_sqrt_d, layout.k_scale, step.q_stride,
             layout.v_stride, layout.v_data, step.window, layout.bits, k_block_stride_bytes=layout.k_stride,
             query_start=self.query_start, sinks=self.sinks, soft_cap=step.soft_cap, rotation=layout.rotation)
-        self.bound = None
-        if threshold > 0:
-            self.bound = skippable_mass_times_norm(SimpleNamespace(
-                head_dim=layout.head_dim, num_q_heads=self.num_q_heads, num_kv_heads=layout.num_kv_heads,
-                num_rows=self.num_rows, q=self.q, query_start=self.query_start, num_seqs=num_seqs,
-                seq_lens=lengths, window=step.window, block_tables=tables, block_size=B, k_pool=k_pool,
-                k_stride=layout.k_stride, v_pool=v_pool, bits=layout.bits, v_data=layout.v_data,
-                v_stride=layout.v_stride, k_scale=layout.k_scale, inv_sqrt_d=step.inv_sqrt_d), threshold)
+        self.bound = skippable_mass_times_norm(SimpleNamespace(
+            head_dim=layout.head_dim, num_q_heads=self.num_q_heads, num_kv_heads=layout.num_kv_heads,
+            num_rows=self.num_rows, q=self.q, query_start=self.query_start, num_seqs=num_seqs,
+            seq_lens=lengths, window=step.window, block_tables=tables, block_size=B, k_pool=k_pool,
+            k_stride=layout.k_stride, v_pool=v_pool, bits=layout.bits, v_data=layout.v_data,
+            v_stride=layout.v_stride, k_scale=layout.k_scale, inv_sqrt_d=step.inv_sqrt_d, soft_cap=step.soft_cap),
+            max(threshold, FP16_SMALLEST_NORMAL))
 
     def plan_scalars(self) -> dict[str, Any]:
         """The scalars that `fp8kturbov.paged_decode_workspace_bytes` takes, as the launch passes them."""

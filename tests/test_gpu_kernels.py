@@ -706,37 +706,42 @@ def test_sparse_v_error_is_bounded(device, rng, bits, head_dim, q_lens):
 
 def skippable_mass_times_norm(case: DecodeCase, tau: float) -> np.ndarray:
     """Per (query row, query head): sum over its attended positions with exp(s_p - M) <= tau of
-    softmax_p * ||v_p||, from the reference's own dequantisation."""
+    softmax_p * ||v_p||, from the reference's own dequantisation (s_p soft-capped where the case
+    caps, M the row's largest score). A sink only adds to the softmax's denominator, so leaving it
+    out gives an upper bound; a rotation keeps the norms."""
     d, group = case.head_dim, case.num_q_heads // case.num_kv_heads
     n = case.num_kv_heads * d
+    row_data = n * case.bits // 8
+    soft_cap = getattr(case, "soft_cap", 0.0)
+
+    def rows_of(pool, starts, width):  # the bytes [start, start + width) at each start
+        return pool[starts[:, None] + np.arange(width)]
+
     bound = np.zeros((case.num_rows, case.num_q_heads))
     q = case.q.astype(np.float64)
+    kv = np.arange(case.num_q_heads) // group
     starts = np.arange(case.num_seqs + 1) if case.query_start is None else case.query_start
     rows = [(s, int(starts[s]) + i, int(case.seq_lens[s]) - int(starts[s + 1] - starts[s]) + i + 1)
             for s in range(case.num_seqs) for i in range(int(starts[s + 1] - starts[s]))]
     for s, row, length in rows:  # length: the row's attended end
         start = max(0, length - case.window) if case.window else 0
         positions = np.arange(start, length)
+        if positions.size == 0:
+            continue
         pages = case.block_tables[s, positions // case.block_size].astype(np.int64)
         offsets = positions % case.block_size
-        k_rows = np.stack([case.k_pool[p * case.k_stride + o * n: p * case.k_stride + (o + 1) * n]
-                           for p, o in zip(pages, offsets)]) if length else np.zeros((0, n), np.uint8)
-        v_rows = []
-        for p, o in zip(pages, offsets):
-            base = p * case.v_stride
-            data = case.v_pool[base + o * n * case.bits // 8: base + (o + 1) * n * case.bits // 8]
-            scales = case.v_pool[base + case.v_data + o * n // 16: base + case.v_data + (o + 1) * n // 16]
-            v_rows.append(ref.decode_v(data, scales, case.bits))
-        for h in range(case.num_q_heads):
-            if length == 0:
-                continue
-            kv = h // group
-            k = ref.decode_k(k_rows[:, kv * d:(kv + 1) * d], case.k_scale).astype(np.float64)
-            v = np.stack(v_rows)[:, kv * d:(kv + 1) * d].astype(np.float64)
-            scores = k @ q[row, h * d:(h + 1) * d] * case.inv_sqrt_d
-            weights = np.exp(scores - scores.max())
-            skippable = weights <= tau
-            bound[row, h] = (weights[skippable] / weights.sum() * np.linalg.norm(v[skippable], axis=1)).sum()
+        k = ref.decode_k(rows_of(case.k_pool, pages * case.k_stride + offsets * n, n), case.k_scale)
+        v = ref.decode_v(rows_of(case.v_pool, pages * case.v_stride + offsets * row_data, row_data),
+                         rows_of(case.v_pool, pages * case.v_stride + case.v_data + offsets * (n // 16), n // 16),
+                         case.bits)
+        k = k.astype(np.float64).reshape(-1, case.num_kv_heads, d)
+        v_norms = np.linalg.norm(v.astype(np.float64).reshape(-1, case.num_kv_heads, d), axis=-1)
+        scores = np.einsum("phd,hd->ph", k[:, kv], q[row, :case.num_q_heads * d].reshape(-1, d)) * case.inv_sqrt_d
+        if soft_cap > 0:
+            scores = soft_cap * np.tanh(scores / soft_cap)
+        weights = np.exp(scores - scores.max(axis=0))
+        skipped = np.where(weights <= tau, weights, 0.0)
+        bound[row] = (skipped * v_norms[:, kv]).sum(axis=0) / weights.sum(axis=0)
     return bound
 
 
