@@ -679,6 +679,48 @@ def test_write_odd_input_address_is_misaligned(entry, name):
     expect_failure(entry, args, MISALIGNED, [show(name, args[name]), "2-byte aligned"])
 
 
+# Each pointer a kernel loads at its element's width, and that width.
+ELEMENT_POINTERS = [("write", "slot_mapping", 8), ("decode", "q", 2), ("decode", "output", 2),
+                    ("decode", "block_tables", 4), ("decode", "seq_lens", 4)]
+
+
+@pytest.mark.skipif(not no_gpu(), reason="a GPU may be usable: no fake pointers")
+@pytest.mark.parametrize("entry, name, width", [(entry, name, width) for entry in ENTRIES
+                                                for op, name, width in ELEMENT_POINTERS if entry.op == op], ids=str)
+@pytest.mark.parametrize("offset", [1, 2, 4])
+def test_element_pointer_off_its_width_is_misaligned(entry, name, width, offset):
+    """Every other check passes: a pointer off its element's width is refused by name before a launch,
+    at any offset below the width; at a multiple of it the call goes on (to the missing GPU)."""
+    args = entry.valid_args(work=1) | fake_pointers(POINTER_FIELDS[entry.op])
+    args[name] += offset
+    if offset % width:
+        expect_failure(entry, args, MISALIGNED, [show(name, args[name]), f"{width}-byte aligned"])
+    else:
+        with pytest.raises(fp8kturbov.Fp8kturbovError) as info:
+            entry.call(args)
+        assert info.value.status != MISALIGNED, info.value.message
+
+
+@pytest.mark.skipif(not no_gpu(), reason="a GPU may be usable: no fake pointers")
+@pytest.mark.parametrize("entry", [entry for entry in ENTRIES if entry.bits is None], ids=str)
+@pytest.mark.parametrize("pool, stride", [("k_cache", "k_block_stride_bytes"), ("v_cache", "v_block_stride_bytes")])
+def test_checked_pool_past_the_address_space_is_refused(entry, pool, stride):
+    """Checked mode: num_blocks pages of a pool's stride must end below 2^64, or the kernels' page
+    offsets would wrap to memory below the pool. The pool lies 1 MiB below the end of the address
+    space, the other one low, and num_blocks is one page more than that MiB holds (its last page
+    would end at 2^64 exactly: refused too)."""
+    args = entry.valid_args(work=1) | fake_pointers(POINTER_FIELDS[entry.op])
+    args[pool] = 2**64 - 2**20
+    args.update(error_flags=FAKE_BASE - 0x1000, num_blocks=2**20 // args[stride] + 1)
+    expect_failure(entry, args, Status.INVALID_VALUE,
+                   [f"num_blocks = {args['num_blocks']} pages of {args[stride]} bytes from {pool}",
+                    "pass the end of the address space"])
+    args["num_blocks"] -= 2  # now they end below 2^64: the call goes on (to the missing GPU)
+    with pytest.raises(fp8kturbov.Fp8kturbovError) as info:
+        entry.call(args)
+    assert info.value.status != Status.INVALID_VALUE, info.value.message
+
+
 @pytest.mark.parametrize("op", ["write", "decode"])
 def test_null_params_struct(op):
     c_name = Entry(op).c_name
