@@ -32,8 +32,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("ml_dtypes")
 
 from test_transformers_integration import (DECODE_TOLERANCE, ONE_LAYER_CASES, compare_runs,  # noqa: E402
-                                           fake_quantised, forced_logits, ragged_batch,
-                                           relative_error, twin_models)
+                                           fake_quantised, forced_logits, model_dir, ragged_batch,
+                                           readme_example, relative_error, twin_models)
 
 from fp8kturbov.integrations import transformers as fkt  # noqa: E402
 from fp8kturbov.integrations._dense import chunk_attention  # noqa: E402
@@ -138,6 +138,17 @@ def test_cache_is_not_compileable():
     bookkeeping per step), so transformers never tries."""
     model, _ = twin_models("llama", device="cuda")
     assert not fkt.Fp8kturbovCache(model).is_compileable
+
+
+def test_readme_lines_run_as_written(model_dir, capsys):
+    """The README's transformers example exactly as printed (CUDA, bf16, 32 new tokens), on the tiny
+    model folder: it generates on the compressed cache through the library's kernels."""
+    namespace = {}
+    exec(compile(readme_example().replace("MODEL_DIR", str(model_dir)), "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    prompt_tokens = namespace["inputs"]["input_ids"].shape[1]
+    assert namespace["model"].config._attn_implementation == "fp8kturbov"
+    assert "device='cuda:0'" in printed and printed.count(",") >= prompt_tokens, printed
 
 
 # ---- Speed (a script, not a test) ---------------------------------------------------------------

@@ -457,15 +457,20 @@ def test_perplexity_command_refuses_bad_options_before_loading(tmp_path, capsys,
     assert option[0].lstrip("-") in capsys.readouterr().err
 
 
-def test_readme_lines_run(model_dir):
-    """The README's transformers example, on the tiny model folder and the CPU."""
+def readme_example() -> str:
+    """The README's transformers example, as printed."""
     import pathlib
     import re
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     section = readme[readme.index("## Hugging Face transformers"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    code = code.replace("MODEL_DIR", str(model_dir)).replace('"cuda"', '"cpu"')
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_lines_run(model_dir):
+    """The README's transformers example, on the tiny model folder and the CPU (on CUDA as written:
+    tests/test_gpu_transformers.py)."""
+    code = readme_example().replace("MODEL_DIR", str(model_dir)).replace('"cuda"', '"cpu"')
     code = code.replace("torch.bfloat16", "torch.float32").replace("max_new_tokens=32", "max_new_tokens=3")
     exec(compile(code, "README.md", "exec"), {})
 
