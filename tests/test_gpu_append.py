@@ -53,8 +53,17 @@ class Case:
         return ",".join(fields) or "default"
 
 
+# A batch whose grid runs in several waves on any GPU (160 sequences x 8 KV heads, more CTAs than
+# 9 per multiprocessor of 132): CTAs of later waves write their tokens while earlier ones decode.
+MANY_SEQ_LENS = tuple(7 * i % 97 + 16 for i in range(160))
+MANY = dict(num_kv_heads=8, seq_lens=MANY_SEQ_LENS)
+
 CASES = [
     *(Case(bits=b, head_dim=d) for b in (2, 3, 4) for d in (64, 128, 256)),
+    *(Case(bits=b, head_dim=d, **MANY) for b, d in ((2, 64), (3, 128), (4, 256))),
+    Case(encoder="mse", padding=True, checked=True, **MANY),
+    Case(q_lens=tuple(i % 5 for i in range(160)), window=40, **MANY),
+    Case(q_lens=tuple(i % 3 + 1 for i in range(160)), rotation=True, padding=True, **MANY),
     Case(workspace=False),
     Case(encoder="mse"),
     Case(encoder="mse", bits=2, head_dim=256),
@@ -171,19 +180,24 @@ def test_fused_append_equals_write_then_decode(rng, case):
     assert error.max() < BOUND, f"output vs reference: {error.max():.3g}"
 
 
-def test_fused_append_in_a_graph(rng):
-    """Captured once, replayed with new rows: each replay writes and attends the rows it finds."""
-    case = Case(q_lens=(1, 3, 16, 2))
-    layout = CacheLayout(num_blocks=40, block_size=16, num_kv_heads=2, head_dim=128, v_bits=3)
-    seq_lens = np.array((5, 40, 200, 17), dtype=np.int32)
+@pytest.mark.parametrize("waves", ["one wave", "several waves"])
+def test_fused_append_in_a_graph(rng, waves):
+    """Captured once, replayed with new rows: each replay writes and attends the rows it finds (also
+    on a grid of several waves)."""
+    if waves == "one wave":
+        kv_heads, seq_lens, q_lens = 2, (5, 40, 200, 17), (1, 3, 16, 2)
+    else:
+        kv_heads, seq_lens, q_lens = 8, MANY_SEQ_LENS, tuple(i % 3 + 1 for i in range(160))
+    seq_lens = np.array(seq_lens, dtype=np.int32)
     pages = [(int(s) + 15) // 16 for s in seq_lens]
+    layout = CacheLayout(num_blocks=sum(pages) + 3, block_size=16, num_kv_heads=kv_heads, head_dim=128, v_bits=3)
     tables = shuffled_block_tables(rng, pages, layout.num_blocks, max(pages))
-    positions = [(s, int(seq_lens[s]) - q + i) for s, q in enumerate(case.q_lens) for i in range(q)]
+    positions = [(s, int(seq_lens[s]) - q + i) for s, q in enumerate(q_lens) for i in range(q)]
     rows, n = len(positions), layout.row_elems
-    query_start = to_device(np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32))
+    query_start = to_device(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     slots = to_device(slots_of(tables, positions, 16))
     key, value = to_device(bf16_rows(rng, rows, n)), to_device(bf16_rows(rng, rows, n))
-    q = to_device(bf16_rows(rng, rows, 8 * 128).reshape(rows, 8, 128))
+    q = to_device(bf16_rows(rng, rows, 4 * kv_heads * 128).reshape(rows, 4 * kv_heads, 128))
     dev_tables, dev_lens = to_device(tables), to_device(seq_lens)
     with KVCache.allocate(layout, K_SCALE) as fused, KVCache.allocate(layout, K_SCALE) as plain:
         for cache in (fused, plain):
