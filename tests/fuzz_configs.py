@@ -218,8 +218,9 @@ def _draw_layout(rng: np.random.Generator, size: str) -> Layout:
 
 def _draw_write(rng: np.random.Generator, size: str, layout: Layout, hostile: bool, stream: int) -> WriteStep:
     fixed = not layout.checked and not layout.rotation and rng.random() < 0.2
-    encoder = "mse" if not fixed and rng.random() < 0.1 else "matched_norm"
-    most = 2 if encoder == "mse" else {"small": 8, "medium": 48, "long": 64}[size]  # the reference's cost
+    searching = not fixed and rng.random() < 0.1
+    encoder = _pick(rng, ("mse", "projection")) if searching else "matched_norm"
+    most = 2 if searching else {"small": 8, "medium": 48, "long": 64}[size]  # the reference's cost
     num_valid = int(rng.integers(0 if rng.random() < 0.05 else 1, min(most, layout.num_slots) + 1))
     return WriteStep("fixed" if fixed else "generic", encoder, num_valid, int(rng.integers(0, 3)),
                      int(rng.integers(0, 3)) if layout.checked else 0, _row_stride(rng, layout.n),

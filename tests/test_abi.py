@@ -950,6 +950,7 @@ def test_launch_without_gpu_reports_the_cuda_error(entry):
 
 # ---- The V encoder of the write (v_encoder) and the version-2 write struct ------------------------
 WRITE_ENTRY = next(entry for entry in GENERIC_ENTRIES if entry.op == "write")
+DECODE_ENTRY = next(entry for entry in GENERIC_ENTRIES if entry.op == "decode")
 
 
 def test_v_encoder_values_mirror_the_header():
@@ -958,18 +959,22 @@ def test_v_encoder_values_mirror_the_header():
     assert {name: int(v) for name, v in values.items()} == {e.name: e.value for e in fp8kturbov.VEncoder}
 
 
-@pytest.mark.parametrize("v_encoder", [0, 1])
-def test_write_accepts_each_v_encoder(v_encoder):
+@pytest.mark.parametrize("entry", [WRITE_ENTRY, DECODE_ENTRY], ids=lambda e: e.op)
+@pytest.mark.parametrize("v_encoder", list(fp8kturbov.VEncoder))
+def test_write_and_decode_accept_each_v_encoder(entry, v_encoder):
+    """The write's encoder, and the decode's for its fused append."""
     set_error_message()
-    assert call_with_struct_size(WRITE_ENTRY, WRITE_ENTRY.valid_args() | {"v_encoder": v_encoder},
-                                 ctypes.sizeof(_lib.WriteParams)) == Status.SUCCESS, last_error()
+    struct_size = ctypes.sizeof(STRUCTS[f"fp8kturbov_{entry.op}_params"])
+    assert call_with_struct_size(entry, entry.valid_args() | {"v_encoder": v_encoder}, struct_size) == Status.SUCCESS, \
+        last_error()
     assert last_error() == ""
 
 
-@pytest.mark.parametrize("v_encoder", [2, 3, 2**31, 2**32 - 1])
-def test_write_refuses_an_unknown_v_encoder(v_encoder):
-    expect_failure(WRITE_ENTRY, WRITE_ENTRY.valid_args() | {"v_encoder": v_encoder}, Status.INVALID_VALUE,
-                   [f"v_encoder = {v_encoder}"])
+@pytest.mark.parametrize("entry", [WRITE_ENTRY, DECODE_ENTRY], ids=lambda e: e.op)
+@pytest.mark.parametrize("v_encoder", [3, 2**31, 2**32 - 1])
+def test_write_and_decode_refuse_an_unknown_v_encoder(entry, v_encoder):
+    expect_failure(entry, entry.valid_args() | {"v_encoder": v_encoder}, Status.INVALID_VALUE,
+                   [f"v_encoder = {v_encoder}", "_PROJECTION (2)"])
 
 
 @pytest.mark.parametrize("soft_cap", [math.nan, math.inf, -1.0, -1e-30])

@@ -327,13 +327,14 @@ def test_write_passes_pointers_element_strides_and_the_layout(make, launches):
 
 @pytest.mark.parametrize("given, passed", [("mse", fp8kturbov.VEncoder.MSE),
                                            (fp8kturbov.VEncoder.MSE, fp8kturbov.VEncoder.MSE),
+                                           ("projection", fp8kturbov.VEncoder.PROJECTION),
                                            ("matched_norm", fp8kturbov.VEncoder.MATCHED_NORM)])
 def test_write_passes_the_v_encoder(make, launches, given, passed):
     fp8kturbov.write_kv(cache=make_cache(), v_encoder=given, **write_args(make))
     assert launched(launches, "reshape_and_cache")["v_encoder"] is passed
 
 
-@pytest.mark.parametrize("given", ["MSE", "nvfp4", 1, None])
+@pytest.mark.parametrize("given", ["MSE", "nvfp4", "Projection", 1, 2, None])
 def test_write_refuses_an_unknown_v_encoder(make, launches, given):
     with pytest.raises(fp8kturbov.ArgumentError, match="v_encoder"):
         fp8kturbov.write_kv(cache=make_cache(), v_encoder=given, **write_args(make))
@@ -448,8 +449,8 @@ def test_decode_refuses_max_q_len_without_query_start(launches):
     assert launches == []
 
 
-@pytest.mark.parametrize("multi_token", [False, True])
-def test_decode_passes_the_fused_append(make, launches, multi_token):
+@pytest.mark.parametrize("multi_token, encoder", [(False, "mse"), (True, "mse"), (False, "projection")])
+def test_decode_passes_the_fused_append(make, launches, multi_token, encoder):
     """One new K/V row per query row (3-D keys with padded rows, 2-D values), its slots and the V
     encoder reach the launch with the rows' element strides."""
     args = multi_token_decode_args(make) if multi_token else decode_args(make)
@@ -457,10 +458,11 @@ def test_decode_passes_the_fused_append(make, launches, multi_token):
     key = make((rows, H, D), "bfloat16", strides=(N + 16, D, 1))
     value, slots = make((rows, N), "bfloat16"), make((rows,), "int64")
     fp8kturbov.paged_decode(cache=make_cache(), append_key=key, append_value=value, append_slot_mapping=slots,
-                            v_encoder="mse", **args)
+                            v_encoder=encoder, **args)
     kw = launched(launches, "paged_decode_attn")
     assert (kw["append_key"], kw["append_value"], kw["append_slot_mapping"]) == (key.ptr, value.ptr, slots.ptr)
-    assert (kw["append_key_stride"], kw["append_value_stride"], kw["v_encoder"]) == (N + 16, N, fp8kturbov.VEncoder.MSE)
+    assert (kw["append_key_stride"], kw["append_value_stride"], kw["v_encoder"]) == (
+        N + 16, N, fp8kturbov.VEncoder[encoder.upper()])
     assert not any(name == "reshape_and_cache" for name, *_ in launches)  # no write launch of its own
 
 

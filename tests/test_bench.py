@@ -742,6 +742,9 @@ def test_launch_options_of_the_decode_and_the_write():
     assert bench.launches.launch_options(dev, DECODE_SHAPE, layout, config) == {"sinks": 0x9001, "soft_cap": 30.0}
     assert dev.uploads[0].dtype == np.float32 and np.array_equal(dev.uploads[0], np.zeros(32))
     assert bench.launches.launch_options(dev, WRITE_SHAPE, layout, config) == {"v_encoder": fp8kturbov.VEncoder.MSE}
+    projection = bench.config.Config(v_encoder="projection")
+    assert bench.launches.launch_options(dev, WRITE_SHAPE, layout, projection) == \
+        {"v_encoder": fp8kturbov.VEncoder.PROJECTION}
     rotated = bench.config.Config(v_rotation="hadamard")
     for shape in (DECODE_SHAPE, WRITE_SHAPE):  # a rotated cache is written and decoded rotated
         assert bench.launches.launch_options(dev, shape, layout, rotated) == {"v_rotation": fp8kturbov.VRotation.HADAMARD}

@@ -526,11 +526,12 @@ def test_exact_attention_applies_the_soft_cap_and_the_sinks():
     np.testing.assert_allclose(with_options[s, h], want, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("options", [["--v-encoder", "mse"], ["--soft-cap", "3", "--sinks"],
+@pytest.mark.parametrize("options", [["--v-encoder", "mse"], ["--v-encoder", "projection"],
+                                     ["--soft-cap", "3", "--sinks"],
                                      ["--q-len", "4"], ["--q-len", "16", "--seq-lens", "300,16"],
                                      ["--head-dim", "128", "--v-rotation", "hadamard"]],
-                         ids=["mse_encoder", "soft_cap_and_sinks", "q_len", "q_len_of_the_shortest",
-                              "v_rotation"])
+                         ids=["mse_encoder", "projection_encoder", "soft_cap_and_sinks", "q_len",
+                              "q_len_of_the_shortest", "v_rotation"])
 def test_demo_gpu_path_with_options_passes_when_the_kernels_agree(host_gpu, capsys, options):
     assert cli.main([*SMALL_DEMO, "--iters", "3", *options]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS: the kernels match the reference")

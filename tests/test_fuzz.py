@@ -62,6 +62,7 @@ U64_MAX = 2**64 - 1
 I32_MAX = 2**31 - 1
 FLT_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 V_BITS = (2, 3, 4)
+V_ENCODERS = tuple(int(encoder) for encoder in fp8kturbov.VEncoder)
 DECODE_HEAD_DIMS = (64, 128, 256, 512)  # docs/api.md: the head dims decode supports
 V, NULL, MIS, UNSUP = Status.INVALID_VALUE, Status.NULL_POINTER, Status.MISALIGNED, Status.NOT_SUPPORTED
 STATUS_VALUES = {int(s) for s in Status}
@@ -208,7 +209,7 @@ def model(op: str, bits: int, a: dict[str, Any], *, query: bool = False) -> Expe
                V, "k_scale = ")
     e.rule(get("v_rotation") not in (0, 1), V, "v_rotation = ")
     e.rule(get("v_rotation") == 1 and hd not in (128, 256, 512), V, "v_rotation = 1 (HADAMARD) needs")
-    e.rule(get("v_encoder") not in (0, 1), V, "v_encoder = ")  # the write's, or the decode's append
+    e.rule(get("v_encoder") not in V_ENCODERS, V, "v_encoder = ")  # the write's, or the decode's append
     if op == "write":
         e.rule(row > U32_MAX, V, "num_kv_heads * head_dim = ")
         for name in ("key_stride", "value_stride"):
@@ -351,7 +352,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                 v_block_stride_bytes=v_data + v_data_pad + k_page // 16 + draw(st.sampled_from([0, 8, 64])))
     if entry.op == "write":
         args.update(num_tokens=draw(work), key_stride=row + draw(st.integers(0, 64)),
-                    v_encoder=draw(st.sampled_from([0, 1])),
+                    v_encoder=draw(st.sampled_from(V_ENCODERS)),
                     v_rotation=draw(st.sampled_from([0, 1])) if head_dim in (128, 256, 512) else 0,
                     value_stride=row + draw(st.integers(0, 64)),
                     k_block_stride_bytes=k_page + 16 * draw(st.integers(0, 4)))
@@ -372,7 +373,7 @@ def valid_args(draw, entry: Entry, work: st.SearchStrategy = st.just(0)) -> dict
                     v_rotation=draw(st.sampled_from([0, 1])) if head_dim in (128, 256, 512) else 0,
                     workspace_bytes=draw(st.sampled_from(U64_EDGES)),
                     append_key_stride=row + draw(st.integers(0, 64)), append_value_stride=row + draw(st.integers(0, 64)),
-                    v_encoder=draw(st.sampled_from([0, 1])))
+                    v_encoder=draw(st.sampled_from(V_ENCODERS)))
     return {name: args[name] for name in entry.names}
 
 

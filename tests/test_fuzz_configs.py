@@ -221,7 +221,7 @@ def test_the_model_tries_every_option():
         "bits": {2, 3, 4}, "head_dim": set(DECODE_HEAD_DIMS), "rotation": {True, False},
         "checked": {True, False}, "padded K pages": {True, False}, "size": {"small", "medium", "long"},
         "streams": {1, 2, 3, 4}, "step": {"WriteStep", "DecodeStep", "DequantizeStep"},
-        "write entry": {"generic", "fixed"}, "encoder": {"matched_norm", "mse"},
+        "write entry": {"generic", "fixed"}, "encoder": {"matched_norm", "mse", "projection"},
         "write outside slots": {True, False}, "hostile rows": {True, False},
         "dequantize outside slots": {True, False}, "decode entry": {"generic", "fixed"},
         "group size": {1, 2, 3, 4, 5, 8, 12, 16}, "seq_len": {"0", "1", "page edge", "long", "other"},

@@ -67,6 +67,9 @@ CASES = [
     Case(workspace=False),
     Case(encoder="mse"),
     Case(encoder="mse", bits=2, head_dim=256),
+    Case(encoder="projection"),
+    Case(encoder="projection", bits=2, head_dim=256),
+    Case(encoder="projection", bits=4, head_dim=64, padding=True, checked=True, **MANY),
     Case(group=8), Case(group=16, num_kv_heads=1),  # several CTAs per KV head write the same token
     Case(num_kv_heads=8, group=1, seq_lens=(3000, 1200)),  # long splits, head groups
     Case(block_size=24), Case(block_size=8, window=40),
@@ -77,6 +80,7 @@ CASES = [
     Case(q_lens=(1, 4, 16, 9), group=8, bits=2),
     Case(q_lens=(1, 3, 16, 2), rotation=True),
     Case(q_lens=(1, 3, 16, 2), rotation=True, encoder="mse", head_dim=256, bits=4),
+    Case(q_lens=(1, 3, 16, 2), rotation=True, encoder="projection", bits=2),
     Case(rotation=True, bits=2, padding=True),
     Case(q_lens=(1, 9, 16, 2), padding=True, checked=True, block_size=24),
 ]

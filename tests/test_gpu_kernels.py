@@ -50,6 +50,29 @@ def random_rows(rng, num_rows: int, stride: int, row_elems: int, *, hostile: boo
     return rows.astype(BF16)
 
 
+# The searching encoders' edge cases, as (share of the groups, factor) on bf16 groups: scales small
+# enough that subnormal scale bytes win, sums of squares that are subnormal (2^-70) or vanish while
+# the codes' dot product does not (2^-90), and sums that overflow float32 for some or all of the
+# candidates (2^61, 2^64; the projection encoder's |x|² at 2^64, which falls back to matched-norm).
+SEARCH_EDGE_FACTORS = {"mse": ((0.05, 2.0**-12), (0.03, 2.0**61), (0.02, 2.0**64)),
+                       "projection": ((0.05, 2.0**-12), (0.02, 2.0**-70), (0.02, 2.0**-90),
+                                      (0.03, 2.0**61), (0.02, 2.0**64))}
+
+
+def add_search_edge_groups(rng, groups: np.ndarray, encoder: str) -> None:
+    """Scales shares of the bf16 groups ``[..., 16]`` in place by `SEARCH_EDGE_FACTORS`; for the
+    projection encoder also gives 3 % of the groups an outlier (one element x 2^8), whose codes'
+    angle is decided by few candidates."""
+    pick = rng.random(groups.shape[:-1])
+    start = 0.0
+    for share, factor in SEARCH_EDGE_FACTORS[encoder]:
+        groups[(pick >= start) & (pick < start + share)] *= BF16(factor)
+        start += share
+    if encoder == "projection":
+        outliers = (pick >= start) & (pick < start + 0.03)
+        groups[outliers, rng.integers(16)] *= BF16(2.0**8)
+
+
 def random_slots(rng, num_tokens: int, num_slots: int) -> np.ndarray:
     slots = rng.choice(num_slots, size=num_tokens, replace=False).astype(np.int64)
     slots[rng.random(num_tokens) < 0.1] = -1
@@ -72,9 +95,10 @@ def assert_pools_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 @pytest.mark.parametrize("entry, row_pad", [("fixed", (32, 16)), ("generic", (32, 16)),
                                             ("generic", (3, 1)), ("mse", (32, 16)),
-                                            ("rotated", (3, 1)), ("rotated_mse", (32, 16))],
+                                            ("rotated", (3, 1)), ("rotated_mse", (32, 16)),
+                                            ("projection", (3, 1)), ("rotated_projection", (32, 16))],
                          ids=["fixed", "generic", "odd_row_strides", "mse_encoder", "rotated",
-                              "rotated_mse"])
+                              "rotated_mse", "projection_encoder", "rotated_projection"])
 def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entry, row_pad):
     """Rotated (FORMAT §6): each V head rotated by the threads holding its groups, in the float32
     arithmetic of reference.rotate_f32; a NaN or Inf spreads over its head, in both."""
@@ -92,15 +116,9 @@ def test_write_matches_reference_byte_for_byte(device, rng, bits, head_dim, entr
     key_stride, value_stride = n + row_pad[0], n + row_pad[1]
     key = random_rows(rng, num_tokens, key_stride, n, hostile=True)
     value = random_rows(rng, num_tokens, value_stride, n, hostile=True)
-    encoder = "mse" if entry.endswith("mse") else "matched_norm"
-    if encoder == "mse":
-        # Groups small enough that subnormal scale bytes win the search, and groups so large that
-        # the squared errors of some or all candidate scales overflow float32.
-        groups = value[:, :n].reshape(num_tokens, -1, 16)
-        pick = rng.random(groups.shape[:2])
-        groups[pick < 0.05] *= BF16(2.0**-12)
-        groups[(pick >= 0.05) & (pick < 0.08)] *= BF16(2.0**61)
-        groups[(pick >= 0.08) & (pick < 0.10)] *= BF16(2.0**64)
+    encoder = next((e for e in SEARCH_EDGE_FACTORS if entry.endswith(e)), "matched_norm")
+    if encoder in SEARCH_EDGE_FACTORS:
+        add_search_edge_groups(rng, value[:, :n].reshape(num_tokens, -1, 16), encoder)
     slots = random_slots(rng, num_tokens, num_blocks * block_size)
     k_pool = random_pool(rng, num_blocks * k_stride)
     v_pool = random_pool(rng, num_blocks * v_stride)
@@ -153,21 +171,20 @@ def assert_packed_write_matches_reference(device, rng, key, value, slots, bits, 
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_large_mse_write_matches_reference_byte_for_byte(device, rng, bits):
-    """A write of more groups than the MSE encoder searches with a warp each (16384): one thread
-    per group searches, tightening its bound as it goes; the bytes are still the reference's."""
+@pytest.mark.parametrize("encoder", ["mse", "projection"])
+def test_large_search_write_matches_reference_byte_for_byte(device, rng, bits, encoder):
+    """A write of more groups than the searching encoders search with a warp each (16384): one
+    thread per group searches (the MSE encoder tightening its bound as it goes); the bytes are
+    still the reference's."""
     num_kv_heads, head_dim, block_size, num_tokens = 2, 128, 16, 1100  # 17600 groups
     n = num_kv_heads * head_dim
     num_blocks = -(-num_tokens // block_size) + 2
     key = random_rows(rng, num_tokens, n, n, hostile=True)
     value = random_rows(rng, num_tokens, n, n, hostile=True)
-    groups = value.reshape(num_tokens, -1, 16)
-    pick = rng.random(groups.shape[:2])
-    groups[pick < 0.05] *= BF16(2.0**-12)
-    groups[(pick >= 0.05) & (pick < 0.08)] *= BF16(2.0**61)
+    add_search_edge_groups(rng, value.reshape(num_tokens, -1, 16), encoder)
     slots = random_slots(rng, num_tokens, num_blocks * block_size)
     assert_packed_write_matches_reference(device, rng, key, value, slots, bits, num_kv_heads, head_dim,
-                                          block_size, num_blocks, encoder="mse")
+                                          block_size, num_blocks, encoder=encoder)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

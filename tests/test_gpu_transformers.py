@@ -50,7 +50,7 @@ def _seed() -> int:
 
 
 @pytest.mark.parametrize("v_bits, rotation, encoder", [(2, "none", "matched_norm"), (3, "hadamard", "matched_norm"),
-                                                       (4, "none", "mse")])
+                                                       (4, "none", "mse"), (3, "hadamard", "projection")])
 def test_kernel_pools_match_reference_pools(v_bits, rotation, encoder):
     """The same K/V written by the kernels and by the reference: identical pool bytes; the
     kernels' dequantize equal to the reference's; decodes (one token, multi-token) and the

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import fp8kturbov
 from fp8kturbov.tools import cli, quality
 from fp8kturbov import reference as R
 
@@ -163,6 +164,12 @@ def test_encoder_argument_is_checked_and_defaults_to_matched_norm() -> None:
     assert R.V_ENCODERS[0] == "matched_norm"
     with pytest.raises(ValueError, match="encoder"):
         R.encode_v(x, 3, encoder="nearest")
+
+
+def test_the_kernels_offer_every_encoder_of_the_reference() -> None:
+    """The C ABI's encoders (fp8kturbov.VEncoder, mirrored from the header) are the reference's, in
+    order: a write or fused append names its encoder as the reference does."""
+    assert tuple(encoder.name.lower() for encoder in fp8kturbov.VEncoder) == R.V_ENCODERS
 
 
 @pytest.mark.parametrize("path", GOLDEN_FILES, ids=[p.stem for p in GOLDEN_FILES])

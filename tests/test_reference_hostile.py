@@ -262,7 +262,7 @@ def test_rotation_that_is_not_a_bool_is_refused(function, rotation, v_rotation):
 
 
 @pytest.mark.parametrize("function", ["write_cache", "encode_v"])
-@pytest.mark.parametrize("encoder, v_encoder", [("MSE", 2), ("", 3), (1, U32_MAX), (None, 2)])
+@pytest.mark.parametrize("encoder, v_encoder", [("MSE", 3), ("", 3), (1, U32_MAX), (None, 4)])
 def test_unknown_encoder_is_refused(function, encoder, v_encoder):
     reference_refusal(function, {**valid_args(function), "encoder": encoder}, "encoder", ValueError)
     if function in C_ENTRIES:

@@ -153,13 +153,14 @@ def test_alternating_windows_two_layers(family):
 @pytest.mark.parametrize("options", [
     dict(v_bits=[2, 4]),
     dict(v_bits=lambda layer: 4 if layer == 0 else 2, v_encoder="mse"),
+    dict(v_encoder=["projection", "matched_norm"]),
     dict(v_rotation="hadamard", block_size=8),
     dict(k_scale=0.05, max_cache_len=40),
-], ids=["v_bits-list", "v_bits-function-mse", "hadamard", "k_scale-max_cache_len"])
+], ids=["v_bits-list", "v_bits-function-mse", "v_encoder-list-projection", "hadamard", "k_scale-max_cache_len"])
 def test_cache_options_match_fake_quantised_cache(options):
-    """Per-layer V widths, the MSE encoder, the rotation (head_dim 128), a given K scale and pages
-    reserved up front, each against the fake-quantised cache with the same options; two layers
-    (Qwen 3), hence the looser bound of the two-layer test."""
+    """Per-layer V widths and encoders (MSE, projection), the rotation (head_dim 128), a given K scale
+    and pages reserved up front, each against the fake-quantised cache with the same options; two
+    layers (Qwen 3), hence the looser bound of the two-layer test."""
     got, want, plain, mask, cache = compare_runs("qwen3", [26, 19], [17, 2, 1, 6], **options,
                                                  config=dict(num_hidden_layers=2))
     assert relative_error(got, want, mask) < 0.25 * relative_error(want, plain, mask)

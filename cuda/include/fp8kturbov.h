@@ -137,7 +137,12 @@ typedef enum fp8kturbov_v_encoder {
   /* The scale byte (and the codes it implies) with the least squared error after E4M3 rounding,
    * searched over the bytes 0x00..0x7E; bit-exact with the NumPy reference (encoder="mse").
    * It tries 127 scales per group where the default computes one. */
-  FP8KTURBOV_V_ENCODER_MSE = 1
+  FP8KTURBOV_V_ENCODER_MSE = 1,
+  /* An option: the codes of the least angle to the group among those that the scale bytes
+   * 0x01..0x7E imply, with the scale byte that keeps the group's projection on them
+   * (|x|^2 / <codes' levels, x>), so that attention's averages are not shrunk; bit-exact with the
+   * NumPy reference (encoder="projection"). It tries 126 scales per group. */
+  FP8KTURBOV_V_ENCODER_PROJECTION = 2
 } fp8kturbov_v_encoder_t;
 
 /* ---- V rotation ------------------------------------------------------------------------------ */

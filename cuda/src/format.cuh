@@ -252,13 +252,50 @@ __device__ __forceinline__ uint32_t first_scale_byte(uint32_t begin, Predicate p
   return begin;
 }
 
-// LANES = 32: called by all 32 lanes of a warp with the same x; every lane gets the encoding.
+// The searching encoders' warp reduction: every lane gets the best of the lanes' (value, byte),
+// `better` (a strict order) deciding and, of equal values, the smaller byte. Each lane searched its
+// bytes in ascending order keeping the first of equal values, so this is the sequential search's
+// choice.
+template <typename Better>
+__device__ __forceinline__ void warp_best_candidate(float& value, uint32_t& byte, Better better) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float other_value = __shfl_xor_sync(0xffffffffu, value, o);
+    const uint32_t other_byte = __shfl_xor_sync(0xffffffffu, byte, o);
+    if (better(other_value, value) || (other_value == value && other_byte < byte)) {
+      value = other_value;
+      byte = other_byte;
+    }
+  }
+}
+__device__ __forceinline__ uint64_t shfl_u64(uint64_t value, int lane) {
+  const uint32_t lo = __shfl_sync(0xffffffffu, uint32_t(value), lane);
+  const uint32_t hi = __shfl_sync(0xffffffffu, uint32_t(value >> 32), lane);
+  return uint64_t(lo) | (uint64_t(hi) << 32);
+}
+// A searching encoder's thread among the LANES that search a group: 1, a thread per group, or 32,
+// the lanes of a warp called with the same group (every lane gets the encoding).
+template <int LANES>
+__device__ __forceinline__ uint32_t search_lane() {
+  static_assert(LANES == 1 || LANES == 32, "a thread or a warp per group");
+  return LANES == 1 ? 0 : threadIdx.x % 32;
+}
+// A searched group: its codes as packed by the candidate functions (code i at bits [BITS·i, BITS·i + BITS)).
+template <int BITS>
+__device__ __forceinline__ EncodedGroup<BITS> candidate_group(uint64_t codes, uint8_t scale_byte) {
+  static_assert(BITS * kGroupElems <= 64, "a group's codes fit one 64-bit word");
+  EncodedGroup<BITS> out;
+#pragma unroll
+  for (int i = 0; i < kGroupElems; ++i) out.codes[i] = uint8_t((codes >> (BITS * i)) & ((1u << BITS) - 1));
+  out.scale_byte = scale_byte;
+  return out;
+}
+
+// The MSE encoder's search (above), by LANES threads (search_lane).
 template <int BITS, int LANES>
 __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x)[kGroupElems],
                                                                  const CodebookTable<BITS>& table) {
-  static_assert(BITS * kGroupElems <= 64, "a group's codes fit one 64-bit word");
-  static_assert(LANES == 1 || LANES == 32, "a thread or a warp per group");
-  const uint32_t lane = LANES == 1 ? 0 : threadIdx.x % 32;
+  const uint32_t lane = search_lane<LANES>();
   const EncodedGroup<BITS> matched_norm = encode_v_group<BITS>(x, table);
   float amax = 0.0f;
   bool finite = true;
@@ -306,27 +343,75 @@ __device__ __forceinline__ EncodedGroup<BITS> encode_v_group_mse(const float (&x
     }
   }
   if constexpr (LANES > 1) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float other_err = __shfl_xor_sync(0xffffffffu, best_err, o);
-      const uint32_t other_byte = __shfl_xor_sync(0xffffffffu, best_byte, o);
-      if (other_err < best_err || (other_err == best_err && other_byte < best_byte)) {
-        best_err = other_err;
-        best_byte = other_byte;
-      }
-    }
-    // The winning byte's codes, from the lane that evaluated it.
-    const int owner = int((best_byte - first) % LANES);
-    const uint32_t codes_lo = __shfl_sync(0xffffffffu, uint32_t(best_codes), owner);
-    const uint32_t codes_hi = __shfl_sync(0xffffffffu, uint32_t(best_codes >> 32), owner);
-    best_codes = uint64_t(codes_lo) | (uint64_t(codes_hi) << 32);
+    warp_best_candidate(best_err, best_byte, [](float a, float b) { return a < b; });
+    best_codes = shfl_u64(best_codes, int((best_byte - first) % LANES));  // from the lane that evaluated it
   }
   if (!(best_err <= FLT_MAX)) return matched_norm;
-  EncodedGroup<BITS> out;
+  return candidate_group<BITS>(best_codes, uint8_t(best_byte));
+}
+
+// The projection encoder (FP8KTURBOV_V_ENCODER_PROJECTION; the reference's
+// encode_v(encoder="projection"), whose docstring is the exact rule): of the codes that the scale
+// bytes 0x01..0x7E imply (the bounds rule of FORMAT §3.2 step 3 applied to x / scale), those of the
+// least angle to x, i.e. the greatest q = <levels, x> / |levels| (the first byte of equal ones);
+// then the scale xx / <levels, x> (xx = |x|², a compare to 448, E4M3), with which the decoded group
+// keeps x's projection on its codes. All float32 with explicit rounding and sequential sums. A
+// group where xx or the best q is not finite, or q is not > 0 (NaN, ±inf, all zero, or sums that
+// overflow or vanish), takes the matched-norm encoding.
+//
+// Every byte is evaluated (q has no cheap bound to prune by), by LANES threads (1, or the 32 of a
+// warp) at once: bytes 1 + lane, 1 + lane + LANES, ...; the result is the sequential search's.
+template <int BITS>
+__device__ __forceinline__ float projection_candidate_q(const float (&x)[kGroupElems], uint32_t byte,
+                                                        const CodebookTable<BITS>& table, uint64_t& codes,
+                                                        float& dot) {
+  const float s = e4m3_decode(uint8_t(byte));
+  codes = 0;  // code i at bits [BITS·i, BITS·i + BITS)
+  dot = 0.0f;
+  float ll = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kGroupElems; ++i) out.codes[i] = uint8_t((best_codes >> (BITS * i)) & ((1u << BITS) - 1));
-  out.scale_byte = uint8_t(best_byte);
-  return out;
+  for (int i = 0; i < kGroupElems; ++i) {
+    const uint32_t code = code_of<BITS>(__fdiv_rn(x[i], s), table);
+    codes |= uint64_t(code) << (BITS * i);
+    const float level = table.levels[code];
+    dot = __fadd_rn(dot, __fmul_rn(level, x[i]));
+    ll = __fadd_rn(ll, __fmul_rn(level, level));
+  }
+  return __fdiv_rn(dot, __fsqrt_rn(ll));
+}
+
+// The projection encoder's search (above), by LANES threads (search_lane).
+template <int BITS, int LANES>
+__device__ __forceinline__ EncodedGroup<BITS> encode_v_group_projection(const float (&x)[kGroupElems],
+                                                                        const CodebookTable<BITS>& table) {
+  const uint32_t lane = search_lane<LANES>();
+  float xx = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kGroupElems; ++i) xx = __fadd_rn(xx, __fmul_rn(x[i], x[i]));
+
+  float best_q = -INFINITY, best_dot = 0.0f;
+  uint32_t best_byte = 0x7F;  // past the candidates: a lane that keeps none loses every tie
+  uint64_t best_codes = 0, codes;
+  for (uint32_t byte = 1 + lane; byte < 0x7F; byte += LANES) {
+    float dot;
+    const float q = projection_candidate_q<BITS>(x, byte, table, codes, dot);
+    if (q > best_q) {  // NaN never wins
+      best_q = q;
+      best_byte = byte;
+      best_dot = dot;
+      best_codes = codes;
+    }
+  }
+  if constexpr (LANES > 1) {
+    warp_best_candidate(best_q, best_byte, [](float a, float b) { return a > b; });
+    const int owner = int((best_byte - 1) % LANES);  // the lane that evaluated it
+    best_codes = shfl_u64(best_codes, owner);
+    best_dot = __shfl_sync(0xffffffffu, best_dot, owner);
+  }
+  if (!(isfinite(xx) && isfinite(best_q) && best_q > 0.0f)) return encode_v_group<BITS>(x, table);
+  float s = __fdiv_rn(xx, best_dot);  // best_q > 0: best_dot > 0
+  s = s > kE4M3Max ? kE4M3Max : s;
+  return candidate_group<BITS>(best_codes, e4m3_encode(s));
 }
 
 // FORMAT §3.3: packing of 16 codes into 2*BITS bytes, little-endian bit order.

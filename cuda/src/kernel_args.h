@@ -48,7 +48,7 @@ struct WriteArgs {
   uint64_t v_block_stride_bytes;
   uint64_t v_data_section_bytes;
   IndexCheck index_check;
-  bool mse_encoder;  // FP8KTURBOV_V_ENCODER_MSE, else matched-norm
+  fp8kturbov_v_encoder_t v_encoder;
   uint32_t rotation_head_dim;  // FORMAT §6: V heads of this many elements rotated first; 0 = none
 };
 
@@ -66,7 +66,7 @@ struct AppendArgs {
   bool key_vector_loads;    // key and key_stride allow 16-byte loads
   bool value_vector_loads;  // likewise for value
   float k_inv_scale;        // 1.0f / k_scale, as the write's (FORMAT §2)
-  bool mse_encoder;         // FP8KTURBOV_V_ENCODER_MSE, else matched-norm
+  fp8kturbov_v_encoder_t v_encoder;  // as the write's
 
   __host__ __device__ bool enabled() const { return slot_mapping != nullptr; }
 };
@@ -116,14 +116,16 @@ inline uint64_t per_token_group_ctas(uint64_t num_tokens, uint64_t row_elems, ui
   return (num_tokens * (row_elems / 16) + groups_per_cta - 1) / groups_per_cta;  // < 2^60 + 2^8
 }
 
-// The MSE V encoder (format.cuh, encode_v_group_mse) searches a group's scales with a warp where
-// the write is small enough that the warps fit the GPU about twice over (an H200 holds 132 x 64):
-// its latency is then a few microseconds. Larger writes take a thread per group, which does about
-// a third of the work per group (it tightens its bound as it goes) but runs each group serially.
-constexpr uint32_t kMseWarpLanes = 32;
-constexpr uint64_t kMseWarpMaxGroups = 16384;
-inline uint32_t mse_lanes_per_group(uint64_t num_tokens, uint64_t row_elems) {
-  return num_tokens * (row_elems / 16) <= kMseWarpMaxGroups ? kMseWarpLanes : 1;
+// The searching V encoders (format.cuh: MSE, encode_v_group_mse; projection,
+// encode_v_group_projection) search a group's scales with a warp where the write is small enough
+// that the warps fit the GPU about twice over (an H200 holds 132 x 64): its latency is then a few
+// microseconds. Larger writes take a thread per group, which runs each group serially but spends
+// no lanes on a warp's shared work (MSE: about a third of the work per group, as it tightens its
+// bound as it goes).
+constexpr uint32_t kSearchWarpLanes = 32;
+constexpr uint64_t kSearchWarpMaxGroups = 16384;
+inline uint32_t search_lanes_per_group(uint64_t num_tokens, uint64_t row_elems) {
+  return num_tokens * (row_elems / 16) <= kSearchWarpMaxGroups ? kSearchWarpLanes : 1;
 }
 
 template <typename Args>

@@ -126,20 +126,34 @@ __device__ __forceinline__ void rotate_head(uint32_t head_dim, float (&x)[kGroup
     rotate_head<512>(x);
 }
 
+// A group's V encoding by ENCODER, with LANES threads per group (format.cuh: the searching
+// encoders take 1 or 32, matched-norm 1).
+template <int BITS, fp8kturbov_v_encoder_t ENCODER, int LANES>
+__device__ __forceinline__ EncodedGroup<BITS> encode_v_group_by(const float (&x)[kGroupElems],
+                                                                const CodebookTable<BITS>& table) {
+  if constexpr (ENCODER == FP8KTURBOV_V_ENCODER_MSE)
+    return encode_v_group_mse<BITS, LANES>(x, table);
+  else if constexpr (ENCODER == FP8KTURBOV_V_ENCODER_PROJECTION)
+    return encode_v_group_projection<BITS, LANES>(x, table);
+  else
+    return encode_v_group<BITS>(x, table);
+}
+
 // One thread per (token, 16-element group): the group's V encoding needs its own sums only, so
-// a thread computes them sequentially, exactly as FORMAT §3.2 orders them. MSE: the V encoder
-// (WriteArgs::mse_encoder), kernels of their own so that the default one stays as it is, with
-// MSE_LANES (1 or 32) threads per group searching its scales; the first of them writes. ROTATE:
-// the V rotation (WriteArgs::rotation_head_dim), likewise in instances of its own (its butterflies,
-// unrolled for three head dims, would quadruple the default kernel's code); one thread per group.
-template <int BITS, int MSE_LANES, bool ROTATE>
+// a thread computes them sequentially, exactly as FORMAT §3.2 orders them. ENCODER: the V encoder
+// (WriteArgs::v_encoder); the searching ones in kernels of their own so that the default one stays
+// as it is, with LANES (1 or 32) threads per group searching its scales; the first of them writes.
+// ROTATE: the V rotation (WriteArgs::rotation_head_dim), likewise in instances of its own (its
+// butterflies, unrolled for three head dims, would quadruple the default kernel's code); one
+// thread per group.
+template <int BITS, fp8kturbov_v_encoder_t ENCODER, int LANES, bool ROTATE>
 __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const WriteArgs a) {
-  static_assert(!ROTATE || MSE_LANES <= 1, "the rotation runs across the threads of a head's groups");
-  constexpr uint32_t kThreadsPerGroup = MSE_LANES > 0 ? MSE_LANES : 1;
+  static_assert(!ROTATE || LANES == 1, "the rotation runs across the threads of a head's groups");
+  static_assert(ENCODER != FP8KTURBOV_V_ENCODER_MATCHED_NORM || LANES == 1, "matched-norm: a thread per group");
   uint64_t token;
   uint32_t group;
-  token_group_of_thread<kThreadsPerGroup>(a.row_elems, token, group);
-  const bool writes = threadIdx.x % kThreadsPerGroup == 0;
+  token_group_of_thread<LANES>(a.row_elems, token, group);
+  const bool writes = threadIdx.x % LANES == 0;
   // The slot and both input groups are requested first, and the codebook table is built while they
   // are in flight: nothing reads them before the barrier (they are widened to floats after it), so
   // for a few tokens the write is one memory round trip plus the encoding. (Widened where they are
@@ -173,34 +187,44 @@ __global__ void __launch_bounds__(kWriteThreads) reshape_and_cache_kernel(const 
   // V (FORMAT §3): packed codes in the data section, the scale byte in the scale section; first,
   // where asked, the head's rotation (FORMAT §6) across the threads holding its groups.
   if constexpr (ROTATE) rotate_head(a.rotation_head_dim, x);
-  EncodedGroup<BITS> enc;
-  if constexpr (MSE_LANES > 0)
-    enc = encode_v_group_mse<BITS, MSE_LANES>(x, codebook_s);
-  else
-    enc = encode_v_group<BITS>(x, codebook_s);
+  const EncodedGroup<BITS> enc = encode_v_group_by<BITS, ENCODER, LANES>(x, codebook_s);
   if (!writes) return;
   const VPageLayout layout{uint64_t(a.row_elems) * BITS / 8, a.row_elems / kGroupElems,
                            a.v_data_section_bytes};
   store_v_group<BITS>(a.v_cache + page * a.v_block_stride_bytes, layout, offset, group, enc);
 }
 
-template <int BITS, int MSE_LANES, bool ROTATE>
+template <int BITS, fp8kturbov_v_encoder_t ENCODER, int LANES, bool ROTATE>
 const void* write_kernel() {
-  return reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, MSE_LANES, ROTATE>);
+  return reinterpret_cast<const void*>(&reshape_and_cache_kernel<BITS, ENCODER, LANES, ROTATE>);
+}
+
+// A write with a searching encoder: a warp or a thread per group (search_lanes_per_group); a
+// rotated write keeps a thread per group, as the rotation runs across a head's threads.
+template <int BITS, fp8kturbov_v_encoder_t ENCODER>
+cudaError_t launch_searching_write(const WriteArgs& args, cudaStream_t stream) {
+  const bool rotate = args.rotation_head_dim != 0;
+  const uint32_t lanes = rotate ? 1 : search_lanes_per_group(args.num_tokens, args.row_elems);
+  const void* kernel = lanes == kSearchWarpLanes ? write_kernel<BITS, ENCODER, kSearchWarpLanes, false>()
+                       : rotate                  ? write_kernel<BITS, ENCODER, 1, true>()
+                                                 : write_kernel<BITS, ENCODER, 1, false>();
+  return launch_per_token_group(kernel, args, stream, lanes);
 }
 
 template <int BITS>
 cudaError_t launch_reshape_and_cache(const WriteArgs& args, cudaStream_t stream) {
-  const bool rotate = args.rotation_head_dim != 0;
-  if (!args.mse_encoder)
-    return launch_per_token_group(rotate ? write_kernel<BITS, 0, true>() : write_kernel<BITS, 0, false>(), args,
-                                  stream);
-  // A rotated write keeps a thread per group: the rotation runs across a head's threads.
-  const uint32_t lanes = rotate ? 1 : mse_lanes_per_group(args.num_tokens, args.row_elems);
-  const void* kernel = lanes == kMseWarpLanes ? write_kernel<BITS, kMseWarpLanes, false>()
-                       : rotate               ? write_kernel<BITS, 1, true>()
-                                              : write_kernel<BITS, 1, false>();
-  return launch_per_token_group(kernel, args, stream, lanes);
+  switch (args.v_encoder) {
+    case FP8KTURBOV_V_ENCODER_MSE:
+      return launch_searching_write<BITS, FP8KTURBOV_V_ENCODER_MSE>(args, stream);
+    case FP8KTURBOV_V_ENCODER_PROJECTION:
+      return launch_searching_write<BITS, FP8KTURBOV_V_ENCODER_PROJECTION>(args, stream);
+    default: {  // matched-norm (validated)
+      constexpr fp8kturbov_v_encoder_t kMatchedNorm = FP8KTURBOV_V_ENCODER_MATCHED_NORM;
+      return launch_per_token_group(args.rotation_head_dim != 0 ? write_kernel<BITS, kMatchedNorm, 1, true>()
+                                                                : write_kernel<BITS, kMatchedNorm, 1, false>(),
+                                    args, stream);
+    }
+  }
 }
 
 }  // namespace fp8kturbov

@@ -76,6 +76,7 @@ class VEncoder(enum.IntEnum):
 
     MATCHED_NORM = 0
     MSE = 1
+    PROJECTION = 2
 
 
 class VRotation(enum.IntEnum):

@@ -131,7 +131,7 @@ def write_kv(key: Any, value: Any, cache: KVCache, slot_mapping: Any, *,
     block_size + offset``, a negative slot writes nothing; on a checked cache a slot past
     ``layout.num_blocks`` pages is skipped and reported (:meth:`KVCache.check_errors`).
     ``k_scale`` defaults to ``cache.k_scale``. ``v_encoder``: a :class:`~fp8kturbov.VEncoder` or
-    its lower-case name ("matched_norm", the default, or "mse"; the reference's ``encoder``).
+    its lower-case name ("matched_norm", the default, "mse" or "projection"; the reference's ``encoder``).
     Streams: see the module docstring. Asynchronous; returns nothing.
     """
     layout = open_cache(cache).layout

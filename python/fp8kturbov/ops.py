@@ -64,8 +64,9 @@ def reshape_and_cache(
     """Write K/V rows into the pools (``fp8kturbov_reshape_and_cache``); see the C header.
 
     ``v_encoder``: a :class:`~fp8kturbov.VEncoder` (0 = matched-norm, the default; 1 = the MSE
-    scale search). ``v_rotation``: a :class:`~fp8kturbov.VRotation` (0 = none, the default; 1 =
-    each V head rotated first, FORMAT.md §6; decode such a cache with the same ``v_rotation``).
+    scale search; 2 = the projection encoder). ``v_rotation``: a :class:`~fp8kturbov.VRotation`
+    (0 = none, the default; 1 = each V head rotated first, FORMAT.md §6; decode such a cache with
+    the same ``v_rotation``).
 
     Checked mode (the header's "Checked mode"): ``num_blocks`` is the number of pages each pool
     holds (0 = unchecked), ``error_flags`` the device address of a 4-byte aligned uint32 word

@@ -18,6 +18,8 @@ pub enum VEncoder {
     MatchedNorm = sys::FP8KTURBOV_V_ENCODER_MATCHED_NORM,
     /// The scale byte with the least squared error after E4M3 rounding.
     Mse = sys::FP8KTURBOV_V_ENCODER_MSE,
+    /// The codes of the least angle to the group, scaled to keep its projection on them.
+    Projection = sys::FP8KTURBOV_V_ENCODER_PROJECTION,
 }
 
 /// `fp8kturbov_v_rotation_t`: the rotation fused into the write and undone by the decode; a

@@ -50,6 +50,7 @@ pub const FP8KTURBOV_INDEX_ERROR_QUERY_START: fp8kturbov_index_error_t = 8;
 pub type fp8kturbov_v_encoder_t = c_uint;
 pub const FP8KTURBOV_V_ENCODER_MATCHED_NORM: fp8kturbov_v_encoder_t = 0;
 pub const FP8KTURBOV_V_ENCODER_MSE: fp8kturbov_v_encoder_t = 1;
+pub const FP8KTURBOV_V_ENCODER_PROJECTION: fp8kturbov_v_encoder_t = 2;
 
 pub type fp8kturbov_v_rotation_t = c_uint;
 pub const FP8KTURBOV_V_ROTATION_NONE: fp8kturbov_v_rotation_t = 0;

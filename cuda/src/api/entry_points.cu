@@ -174,9 +174,11 @@ fp8kturbov_status_t launch_for_bits(const char* entry, uint32_t bits, Launch lau
 
 // The V encoder of a write or a decode's append: a known value.
 fp8kturbov_status_t check_v_encoder(const char* entry, uint32_t v_encoder) {
-  if (v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM && v_encoder != FP8KTURBOV_V_ENCODER_MSE)
+  if (v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM && v_encoder != FP8KTURBOV_V_ENCODER_MSE &&
+      v_encoder != FP8KTURBOV_V_ENCODER_PROJECTION)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "v_encoder = %u is not FP8KTURBOV_V_ENCODER_MATCHED_NORM (0) or _MSE (1)", v_encoder);
+                "v_encoder = %u is not FP8KTURBOV_V_ENCODER_MATCHED_NORM (0), _MSE (1) or _PROJECTION (2)",
+                v_encoder);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
@@ -236,7 +238,7 @@ fp8kturbov_status_t write_impl(const char* entry, const fp8kturbov_write_params_
   args.key_vector_loads = allows_vector_access(p.key, p.key_stride);
   args.value_vector_loads = allows_vector_access(p.value, p.value_stride);
   args.k_inv_scale = 1.0f / p.k_scale;
-  args.mse_encoder = p.v_encoder == FP8KTURBOV_V_ENCODER_MSE;
+  args.v_encoder = fp8kturbov_v_encoder_t(p.v_encoder);
   args.rotation_head_dim = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD ? p.head_dim : 0u;
   return launch_for_bits(entry, p.v_bits, [&](auto bits) {
     return launch_reshape_and_cache<decltype(bits)::value>(args, stream);
@@ -518,7 +520,7 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
     append.key_vector_loads = allows_vector_access(p.append_key, p.append_key_stride);
     append.value_vector_loads = allows_vector_access(p.append_value, p.append_value_stride);
     append.k_inv_scale = 1.0f / p.k_scale;
-    append.mse_encoder = p.v_encoder == FP8KTURBOV_V_ENCODER_MSE;
+    append.v_encoder = fp8kturbov_v_encoder_t(p.v_encoder);
   }
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);

@@ -16,20 +16,31 @@
 namespace fp8kturbov {
 
 // Shared memory the append may borrow before the copy pipeline starts (the ring): the codebook
-// table, then one 16-element V group per thread for the MSE encoder's warp search.
+// table, then one 16-element V group per thread for the searching encoders' warp search.
 template <int BITS>
 struct AppendScratch {
   CodebookTable<BITS> codebook;
   alignas(16) float values[kDecodeThreads][kGroupElems];
 };
 
+// A searching encoder's warp search of a group in shared memory (all 32 lanes call it). Out of
+// line: inlined beside the decode's tile loop, the two searches cost some append instances spills
+// there.
+template <int BITS>
+__device__ __noinline__ EncodedGroup<BITS> search_v_group(fp8kturbov_v_encoder_t encoder, const float (&x)[kGroupElems],
+                                                        const CodebookTable<BITS>& table) {
+  return encoder == FP8KTURBOV_V_ENCODER_MSE
+             ? encode_v_group_by<BITS, FP8KTURBOV_V_ENCODER_MSE, kSearchWarpLanes>(x, table)
+             : encode_v_group_by<BITS, FP8KTURBOV_V_ENCODER_PROJECTION, kSearchWarpLanes>(x, table);
+}
+
 // The new tokens of query rows [first_row, first_row + num_tokens), KV heads [first_kv_head,
 // first_kv_head + num_heads), written by the CTA's kDecodeThreads threads: work item
 // (token, head, group), group fastest, so that a head's groups lie in consecutive aligned lanes
 // as the rotation needs (HEAD_DIM / 16 divides 32). `scratch`: shared memory for the codebook table
-// and the MSE encoder's groups (whose warp search also takes CTA barriers). Ends with a fence that
-// orders the writes before the CTA's tensor copies (the async proxy) that follow the caller's next
-// CTA barrier. ROTATABLE: an instance that may meet a rotated cache (a.rotated_v).
+// and the searching encoders' groups (whose warp search also takes CTA barriers). Ends with a fence
+// that orders the writes before the CTA's tensor copies (the async proxy) that follow the caller's
+// next CTA barrier. ROTATABLE: an instance that may meet a rotated cache (a.rotated_v).
 template <int BITS, int HEAD_DIM, bool ROTATABLE>
 __device__ __forceinline__ void append_new_tokens(const DecodeArgs& a, AppendScratch<BITS>& scratch, uint32_t first_row,
                                                   uint32_t num_tokens, uint32_t first_kv_head, uint32_t num_heads) {
@@ -39,6 +50,7 @@ __device__ __forceinline__ void append_new_tokens(const DecodeArgs& a, AppendScr
   const uint32_t row_elems = a.num_kv_heads * HEAD_DIM;  // < 2^32, validated
   const VPageLayout layout{uint64_t(row_elems) * BITS / 8, row_elems / kGroupElems, a.v_data_section_bytes};
   const uint32_t lane = threadIdx.x % 32;
+  const bool searching = ap.v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM;  // kernel-uniform
 
   // Item `item`'s input: its row and the element offset of its group in the row.
   struct Source {
@@ -85,7 +97,7 @@ __device__ __forceinline__ void append_new_tokens(const DecodeArgs& a, AppendScr
                     k, ap.k_inv_scale);
       if constexpr (ROTATABLE)
         if (a.rotated_v) rotate_head<HEAD_DIM>(x);
-      if (ap.mse_encoder) {  // the warp search below
+      if (searching) {  // the warp search below
 #pragma unroll
         for (int i = 0; i < kGroupElems; ++i) scratch.values[threadIdx.x][i] = x[i];
       } else {
@@ -93,17 +105,14 @@ __device__ __forceinline__ void append_new_tokens(const DecodeArgs& a, AppendScr
                             src.elem / kGroupElems, encode_v_group<BITS>(x, scratch.codebook));
       }
     }
-    if (ap.mse_encoder) {  // kernel-uniform: a warp per group, as the write's small launches
+    if (searching) {  // a warp per group, as the write's small launches
       __syncthreads();
       const uint32_t round_items = min(uint32_t(kDecodeThreads), items - base);
       for (uint32_t j = threadIdx.x / 32; j < round_items; j += kDecodeWarps) {
         const Source u = source_of(base + j);  // warp-uniform
         const Destination d = destination_of(base + j, __ldg(ap.slot_mapping + u.row), false);
         if (d.page < 0) continue;
-        float x[kGroupElems];
-#pragma unroll
-        for (int i = 0; i < kGroupElems; ++i) x[i] = scratch.values[j][i];
-        const EncodedGroup<BITS> enc = encode_v_group_mse<BITS, kMseWarpLanes>(x, scratch.codebook);
+        const EncodedGroup<BITS> enc = search_v_group<BITS>(ap.v_encoder, scratch.values[j], scratch.codebook);
         if (lane == 0)
           store_v_group<BITS>(ap.v_cache + uint64_t(d.page) * a.v_block_stride_bytes, layout, d.offset,
                               u.elem / kGroupElems, enc);

@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
   }
   // The fused append (append.cuh): the new tokens inside this CTA's range, written before the
   // pipeline starts, so before any copy of the CTA reads them; the ring, not yet in use, holds the
-  // codebook table and the MSE encoder's groups. (Written inside the prologue, to overlap its
+  // codebook table and the searching encoders' groups. (Written inside the prologue, to overlap its
   // copies, the encoders' registers cost the tile loop spills.)
   if constexpr (APPEND) {
     const int first_new = seq_len - q_len;  // the position of query token 0

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .._lib import VEncoder
 from ..planning import calibrate_k_scale
 from ._dense import chunk_attention
 from ._model_layers import (DECODE_HEAD_DIMS, SERVED_LAYER_TYPES, LayerShape, PerLayer,
@@ -57,7 +58,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "DECODE_HEAD_DIMS", "SERVED_LAYER_TYPES", "Fp8
 ATTN_IMPLEMENTATION = "fp8kturbov"
 #: The default headroom of calibrated K scales (see the module docstring).
 DEFAULT_K_SCALE_MARGIN = 2.0
-_V_ENCODERS = ("matched_norm", "mse")
+_V_ENCODERS = tuple(encoder.name.lower() for encoder in VEncoder)
 
 
 class Fp8kturbovLayer(CacheLayerMixin):
@@ -204,7 +205,7 @@ class Fp8kturbovCache(Cache):
 
     ``model``: a model loaded with ``attn_implementation="fp8kturbov"``, or its config.
     ``v_bits`` (2, 3, 4), ``k_scale`` (None: calibrated, see the module docstring),
-    ``v_encoder`` ("matched_norm", "mse") and ``v_rotation`` ("none", "hadamard"): a value, a list
+    ``v_encoder`` ("matched_norm", "mse", "projection") and ``v_rotation`` ("none", "hadamard"): a value, a list
     per layer, or a function of the layer index. ``block_size``: tokens per page.
     ``max_cache_len``: the pages of that many tokens per sequence are allocated at the first
     forward (else pages are added as the sequences grow, the pools doubling).

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .bench.config import V_ENCODER_NAMES
+
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -115,7 +117,7 @@ def add_model_arguments(parser: Any) -> None:
                         help="torch device (default: cuda where available, else cpu: the NumPy reference, slow)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--v-encoder", choices=("matched_norm", "mse"), default="matched_norm",
+    parser.add_argument("--v-encoder", choices=V_ENCODER_NAMES, default="matched_norm",
                         help="the write's V encoder (default: matched_norm)")
     parser.add_argument("--v-rotation", choices=("none", "hadamard"), default="none",
                         help="keep V rotated (head_dim 128, 256, 512; default: none)")
