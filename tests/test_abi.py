@@ -95,7 +95,8 @@ def ctype_of(c_type: str) -> Any:
     """The ctypes type the C ABI of ``c_type`` requires on this platform."""
     structs = {"fp8kturbov_write_params_t": _lib.WriteParams,
                "fp8kturbov_decode_params_t": _lib.DecodeParams,
-               "fp8kturbov_dequantize_params_t": _lib.DequantizeParams}
+               "fp8kturbov_dequantize_params_t": _lib.DequantizeParams,
+               "fp8kturbov_prefill_params_t": _lib.PrefillParams}
     base = c_type.replace("const ", "")
     if base.endswith("*") and base[:-1] in structs:
         return ctypes.POINTER(structs[base[:-1]])
@@ -182,7 +183,8 @@ def test_library_needs_no_cuda_runtime_or_driver_library():
 
 STRUCTS = {"fp8kturbov_write_params": _lib.WriteParams,
            "fp8kturbov_decode_params": _lib.DecodeParams,
-           "fp8kturbov_dequantize_params": _lib.DequantizeParams}
+           "fp8kturbov_dequantize_params": _lib.DequantizeParams,
+           "fp8kturbov_prefill_params": _lib.PrefillParams}
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +231,8 @@ ADDED_FIELDS = {"fp8kturbov_write_params": [["num_blocks", "error_flags"], ["v_e
                                               "v_rotation"], ["block_tables_stride"],
                                              ["append_key", "append_value", "append_slot_mapping",
                                               "append_key_stride", "append_value_stride", "v_encoder"]],
-                "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]]}
+                "fp8kturbov_dequantize_params": [["num_blocks", "error_flags"]],
+                "fp8kturbov_prefill_params": []}  # one version so far
 
 
 @pytest.mark.parametrize("tag", STRUCTS)
@@ -249,7 +252,7 @@ def documented_defaults(tag: str) -> dict[str, float]:
     return {name: float(value) for name, value in re.findall(r"(\w+) = ([\d.e+-]+)", comment)}
 
 
-@pytest.mark.parametrize("tag", ["write", "decode", "dequantize"])
+@pytest.mark.parametrize("tag", ["write", "decode", "dequantize", "prefill"])
 def test_params_init_sets_size_and_documented_defaults(tag):
     mirror = STRUCTS[f"fp8kturbov_{tag}_params"]
     params = mirror.from_buffer_copy(b"\xab" * ctypes.sizeof(mirror))  # garbage everywhere
@@ -275,7 +278,7 @@ def garbage(nbytes: int) -> ctypes.Array:
     return buffer
 
 
-@pytest.mark.parametrize("tag", ["write", "decode", "dequantize"])
+@pytest.mark.parametrize("tag", ["write", "decode", "dequantize", "prefill"])
 def test_params_init_sized_writes_exactly_the_callers_struct(tag):
     """Each accepted size (earlier versions and this header's) gets that version's defaults over
     exactly its bytes: a program built against an older header can run with this library."""

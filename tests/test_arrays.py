@@ -256,7 +256,7 @@ def make(request) -> Callable[..., Any]:
 def launches(monkeypatch) -> list[tuple[str, tuple, dict]]:
     """Every launch, stream wait and device switch, recorded instead of done."""
     calls: list[tuple[str, tuple, dict]] = []
-    for op in ("reshape_and_cache", "paged_decode_attn", "dequantize"):
+    for op in ("reshape_and_cache", "paged_decode_attn", "paged_prefill_attn", "dequantize"):
         monkeypatch.setattr(ops, op, lambda *args, _op=op, **kw: calls.append((_op, args, kw)))
     monkeypatch.setattr(_device, "stream_wait", lambda *args: calls.append(("wait", args, {})))
 
@@ -431,6 +431,34 @@ def test_decode_passes_query_start_and_takes_num_seqs_from_the_block_tables(make
     assert (kw["num_seqs"], kw["max_blocks_per_seq"], kw["num_q_heads"]) == (S, MAX_BLOCKS, HQ)
     assert (kw["query_start"], kw["max_q_len"], kw["num_query_rows"]) == (
         args["query_start"].ptr, Q_LEN, ROWS)
+
+
+def test_prefill_passes_chunks_lse_and_the_cache(make, launches):
+    cache = make_cache()
+    args = multi_token_decode_args(make)
+    args["q"] = make((ROWS, HQ, D), "bfloat16", strides=(HQ * D + 8, D, 1))
+    lse, sinks = make((ROWS, HQ), "float32"), make((HQ,), "float32")
+    got = fp8kturbov.paged_prefill(cache=cache, lse=lse, sinks=sinks, soft_cap=20.0, sliding_window=9, **args)
+    assert got is args["out"]
+    kw = launched(launches, "paged_prefill_attn")
+    assert kw == dict(q=args["q"].ptr, k_cache=cache.k_ptr, v_cache=cache.v_ptr, output=args["out"].ptr,
+                      block_tables=args["block_tables"].ptr, seq_lens=args["seq_lens"].ptr,
+                      query_start=args["query_start"].ptr, lse=lse.ptr, max_blocks_per_seq=MAX_BLOCKS,
+                      block_tables_stride=MAX_BLOCKS, num_seqs=S, num_q_heads=HQ, inv_sqrt_d=D ** -0.5,
+                      k_scale=K_SCALE, q_stride=HQ * D + 8, max_q_len=Q_LEN, num_query_rows=ROWS,
+                      sliding_window=9, sinks=sinks.ptr, soft_cap=20.0, v_rotation=fp8kturbov.VRotation.NONE,
+                      stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+
+
+@pytest.mark.parametrize("name, shape, dtype, match", [
+    ("lse", (ROWS, HQ + 1), "float32", "lse"), ("lse", (ROWS, HQ), "bfloat16", "lse"),
+    ("query_start", (S,), "int32", "query_start"), ("seq_lens", (S,), "int64", "seq_lens"),
+    ("out", (ROWS + 1, HQ, D), "bfloat16", "out"), ("sinks", (HQ,), "bfloat16", "sinks")])
+def test_prefill_refuses_mis_shaped_arrays_before_launching(make, launches, name, shape, dtype, match):
+    args = multi_token_decode_args(make) | {name: make(shape, dtype)}
+    with pytest.raises(ArgumentError, match=match):
+        fp8kturbov.paged_prefill(cache=make_cache(), **args)
+    assert not any(op == "paged_prefill_attn" for op, *_ in launches)
 
 
 @pytest.mark.parametrize("max_q_len", [1, 16, np.int64(5)])
@@ -1096,8 +1124,9 @@ def test_checked_cache_passes_its_pages_and_error_word(driver, launches):
     assert driver.live[word.ptr] == (4, 0) and driver.word(word.ptr) == 0
     fp8kturbov.write_kv(cache=cache, **write_args(FakeCAI))
     fp8kturbov.paged_decode(cache=cache, **decode_args(FakeCAI))
+    fp8kturbov.paged_prefill(cache=cache, **multi_token_decode_args(FakeCAI))
     fp8kturbov.dequantize_kv(cache=cache, **dequantize_args(FakeCAI))
-    for op in ("reshape_and_cache", "paged_decode_attn", "dequantize"):
+    for op in ("reshape_and_cache", "paged_decode_attn", "paged_prefill_attn", "dequantize"):
         kw = launched(launches, op)
         assert (kw["num_blocks"], kw["error_flags"]) == (LAYOUT.num_blocks, word.ptr), op
 

@@ -1,7 +1,8 @@
 /*
  * fp8kturbov — a paged KV cache with K in FP8 E4M3 (one per-tensor scale) and V in TurboQuant
- * 2/3/4-bit Lloyd–Max codes (one E4M3 scale per 16 elements), and the two operations on it:
- * the cache write (reshape_and_cache) and paged decode attention.
+ * 2/3/4-bit Lloyd–Max codes (one E4M3 scale per 16 elements), and the operations on it: the
+ * cache write (reshape_and_cache), paged decode attention, paged prefill attention and the
+ * dequantize.
  *
  * The byte format is specified in docs/format.md. This header is plain C99 and needs no CUDA
  * header: streams are passed as an opaque pointer compatible with CUstream / cudaStream_t.
@@ -100,13 +101,13 @@ typedef enum fp8kturbov_index_error {
   /* write / dequantize: a slot's page (slot / block_size) is >= num_blocks. The write skips the
    * token (nothing written); the dequantize gives its rows as zeros. */
   FP8KTURBOV_INDEX_ERROR_SLOT = 1,
-  /* decode: a block-table entry of an attended position is < 0 or >= num_blocks. The positions
+  /* decode, prefill: a block-table entry of an attended position is < 0 or >= num_blocks. The positions
    * of that page are left out of the softmax (neither read nor counted). */
   FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE = 2,
-  /* decode: a seq_len < 0 or > max_blocks_per_seq * block_size. It is clamped to that range,
+  /* decode, prefill: a seq_len < 0 or > max_blocks_per_seq * block_size. It is clamped to that range,
    * which is also what happens, unreported, with num_blocks = 0. */
   FP8KTURBOV_INDEX_ERROR_SEQ_LEN = 4,
-  /* multi-token decode: query_start[s] < 0, query_start[s + 1] < query_start[s], a q_len above
+  /* multi-token decode, prefill: query_start[s] < 0, query_start[s + 1] < query_start[s], a q_len above
    * max_q_len, or query_start[s + 1] > num_query_rows. The sequence's outputs are not written.
    * A q_len above the sequence's seq_len is reported too; its rows are computed as the causal
    * rule gives them (a row with no position to attend gets zeros). */
@@ -366,6 +367,83 @@ FP8KTURBOV_DECLARE_DECODE(2)
 FP8KTURBOV_DECLARE_DECODE(3)
 FP8KTURBOV_DECLARE_DECODE(4)
 #undef FP8KTURBOV_DECLARE_DECODE
+
+/* ---- Paged prefill attention ------------------------------------------------------------------- */
+/*
+ * Chunked prefill and long verify over the cache: each sequence's chunk of query tokens attends
+ * the cached positions before it and itself (causal), on tensor cores. The chunk's own K and V
+ * must be in the cache first (fp8kturbov_reshape_and_cache).
+ *  q, block_tables, seq_lens, block_size, the pools, inv_sqrt_d, k_scale, sliding_window, sinks,
+ *  soft_cap, v_rotation, checked mode: as the decode's (fp8kturbov_decode_params_t).
+ *  query_start   device int32 [num_seqs + 1], non-decreasing from 0 (required): sequence s owns
+ *                query rows query_start[s] .. query_start[s + 1] - 1, its chunk of q_len tokens;
+ *                token i is position seq_len - q_len + i and attends the positions before
+ *                seq_len - q_len + i + 1 (the window counts back from there). q_len <= seq_len; a
+ *                row whose position is < 0 has no position to attend.
+ *  max_q_len     the largest q_len (>= 1; 0 with num_seqs = 0 or nothing to do): it sizes the grid.
+ *                A sequence with a longer chunk is not computed (checked mode reports it,
+ *                FP8KTURBOV_INDEX_ERROR_QUERY_START).
+ *  num_query_rows  rows of q, output and lse, query_start[num_seqs]; checked mode keeps every
+ *                sequence's rows inside it.
+ *  output        bf16, dense [num_query_rows][num_q_heads][head_dim]; a row with no position to
+ *                attend gets zeros.
+ *  lse           NULL, or device float32 [num_query_rows][num_q_heads] (4-byte aligned): the
+ *                natural log of each row's softmax denominator, log(sum_p e^score_p + e^sink_h),
+ *                so that output = sum_p e^(score_p - lse) v_p (the sink term only with sinks);
+ *                -inf for a row with no position to attend. With it a caller merges this
+ *                attention with another one over other positions (cascade attention).
+ *  workspace     caller-owned device scratch (16-byte aligned) of
+ *                fp8kturbov_paged_prefill_workspace_bytes bytes; this version needs none (0), so
+ *                workspace may be NULL. The result is deterministic for a given shape and device.
+ * head_dim 64, 128 or 256 (512: FP8KTURBOV_STATUS_NOT_SUPPORTED). sm_80 and newer.
+ */
+typedef struct fp8kturbov_prefill_params {
+  size_t struct_size; /* sizeof(fp8kturbov_prefill_params_t) of the caller's header */
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  void* output;
+  float* lse;                  /* NULL = not written */
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start;  /* required; 4-byte aligned */
+  uint32_t max_blocks_per_seq;
+  uint32_t num_seqs;
+  uint32_t num_q_heads;
+  uint32_t num_kv_heads;
+  uint32_t head_dim;
+  uint32_t block_size;
+  float inv_sqrt_d;
+  float k_scale;     /* finite, > 0 */
+  uint32_t q_stride; /* elements */
+  uint32_t v_bits;   /* 2, 3 or 4 */
+  uint64_t k_block_stride_bytes; /* 0 = packed (block_size*num_kv_heads*head_dim) */
+  uint64_t v_block_stride_bytes;
+  uint64_t v_data_section_bytes;
+  uint64_t block_tables_stride;  /* int32 entries between rows of block_tables; 0 = max_blocks_per_seq */
+  uint32_t sliding_window;
+  float soft_cap;                /* >= 0; 0 = off */
+  const float* sinks;            /* NULL = no sinks; 4-byte aligned */
+  uint32_t v_rotation;           /* fp8kturbov_v_rotation_t the cache was written with; default none */
+  uint32_t max_q_len;
+  uint32_t num_query_rows;
+  void* workspace;               /* may be NULL */
+  uint64_t workspace_bytes;
+  uint64_t num_blocks;   /* checked mode: pages per pool; 0 = unchecked */
+  uint32_t* error_flags; /* checked mode: device word of fp8kturbov_index_error_t bits */
+} fp8kturbov_prefill_params_t;
+
+/* Fills *params with the defaults (struct_size set, v_bits = 3, everything else zero). */
+FP8KTURBOV_API void fp8kturbov_prefill_params_init(fp8kturbov_prefill_params_t* params);
+/* The same for a struct of struct_size bytes (see fp8kturbov_write_params_init_sized). */
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_prefill_params_init_sized(
+    fp8kturbov_prefill_params_t* params, size_t struct_size);
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_prefill_attn(
+    const fp8kturbov_prefill_params_t* params, fp8kturbov_stream_t stream);
+/* Workspace BYTES that `params` (pointers and workspace fields ignored) needs on the current
+ * device; validates the scalars like the launch; no synchronisation. */
+FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_prefill_workspace_bytes(
+    const fp8kturbov_prefill_params_t* params, uint64_t* workspace_bytes);
 
 /* ---- Dequantize (pages -> bf16) ------------------------------------------------------------ */
 /*

@@ -176,6 +176,51 @@ template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_decode(const DecodeArgs& args, const DecodePlan& plan,
                                 cudaStream_t stream);
 
+// Arguments of one paged prefill, after validation (the decode's pool and table rules; the range
+// helpers of decode/ranges.cuh read the fields they share with DecodeArgs).
+struct PrefillArgs {
+  const uint16_t* q;  // bf16 bits
+  const uint8_t* k_cache;
+  const uint8_t* v_cache;
+  uint16_t* output;  // bf16 bits, [num_query_rows][num_q_heads][head_dim]
+  float* lse;        // [num_query_rows][num_q_heads] natural-log denominators, or nullptr
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start;  // [num_seqs + 1]
+  uint32_t max_blocks_per_seq;
+  uint64_t block_tables_stride;
+  uint32_t num_seqs;
+  uint32_t num_q_heads;
+  uint32_t num_kv_heads;
+  uint32_t group_size;  // num_q_heads / num_kv_heads
+  uint32_t block_size;
+  uint32_t block_size_multiplier;  // as DecodeArgs'
+  uint32_t block_size_shift;
+  float score_scale;  // inv_sqrt_d * k_scale
+  uint64_t q_stride;
+  bool q_vector_loads;        // q and q_stride allow 16-byte loads
+  bool output_vector_stores;  // output allows 16-byte stores
+  uint64_t k_block_stride_bytes;
+  uint64_t v_block_stride_bytes;
+  uint64_t v_data_section_bytes;
+  uint32_t sliding_window;
+  float soft_cap;
+  const float* sinks;
+  bool rotated_v;
+  uint32_t max_q_len;
+  uint32_t num_query_rows;
+  uint32_t tiles_per_seq;  // query tiles of the longest chunk: the grid's x is num_seqs of them
+  IndexCheck index_check;
+};
+
+// Query rows ((token, query head) pairs of one KV head) per prefill CTA: the grid's tiles.
+constexpr uint32_t kPrefillQueryRows = 64;
+// The largest head_dim the prefill is built for (its CTA's tiles in shared memory).
+constexpr uint32_t kPrefillMaxHeadDim = 256;
+
+template <int BITS, int HEAD_DIM>
+cudaError_t launch_paged_prefill(const PrefillArgs& args, cudaStream_t stream);
+
 // Resident decode CTAs per multiprocessor of `device` (the current device), for the planner: of
 // the default kernel, or with `head_groups` of the head-group kernel (0 where it is not built).
 template <int BITS, int HEAD_DIM>

@@ -28,7 +28,7 @@ from ._errors import (
 )
 from ._device import DeviceBuffer, stream_handle
 from ._lib import ABI_VERSION, VEncoder, VRotation, library_path, version
-from .arrays import dequantize_kv, paged_decode, write_kv
+from .arrays import dequantize_kv, paged_decode, paged_prefill, write_kv
 from .cache import KVCache
 from .checked import ErrorWord, check_errors
 from .layout import CacheLayout
@@ -41,6 +41,8 @@ from .ops import (
     paged_decode_attn_fp8k_turbo3v,
     paged_decode_attn_fp8k_turbo4v,
     paged_decode_workspace_bytes,
+    paged_prefill_attn,
+    paged_prefill_workspace_bytes,
     reshape_and_cache,
     reshape_and_cache_fp8k_turbo2v,
     reshape_and_cache_fp8k_turbo3v,
@@ -54,7 +56,8 @@ __all__ = [
     "Status", "VEncoder", "VRotation", "check_errors", "dequantize", "dequantize_kv",
     "library_path", "paged_decode", "paged_decode_attn", "paged_decode_attn_fp8k_turbo2v",
     "paged_decode_attn_fp8k_turbo3v", "paged_decode_attn_fp8k_turbo4v",
-    "paged_decode_workspace_bytes", "reshape_and_cache",
+    "paged_decode_workspace_bytes", "paged_prefill", "paged_prefill_attn", "paged_prefill_workspace_bytes",
+    "reshape_and_cache",
     "reshape_and_cache_fp8k_turbo2v", "reshape_and_cache_fp8k_turbo3v",
     "reshape_and_cache_fp8k_turbo4v", "stream_handle", "version", "write_kv",
     "CapacityPlan", "bytes_per_token", "calibrate_k_scale", "capacity_table", "tokens_that_fit",

@@ -134,6 +134,46 @@ class DecodeParams(ctypes.Structure):
     ]
 
 
+class PrefillParams(ctypes.Structure):
+    """Mirror of ``fp8kturbov_prefill_params_t``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("q", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("output", _ptr),
+        ("lse", _ptr),
+        ("block_tables", _ptr),
+        ("seq_lens", _ptr),
+        ("query_start", _ptr),
+        ("max_blocks_per_seq", _u32),
+        ("num_seqs", _u32),
+        ("num_q_heads", _u32),
+        ("num_kv_heads", _u32),
+        ("head_dim", _u32),
+        ("block_size", _u32),
+        ("inv_sqrt_d", _f32),
+        ("k_scale", _f32),
+        ("q_stride", _u32),
+        ("v_bits", _u32),
+        ("k_block_stride_bytes", _u64),
+        ("v_block_stride_bytes", _u64),
+        ("v_data_section_bytes", _u64),
+        ("block_tables_stride", _u64),
+        ("sliding_window", _u32),
+        ("soft_cap", _f32),
+        ("sinks", _ptr),
+        ("v_rotation", _u32),
+        ("max_q_len", _u32),
+        ("num_query_rows", _u32),
+        ("workspace", _ptr),
+        ("workspace_bytes", _u64),
+        ("num_blocks", _u64),
+        ("error_flags", _ptr),
+    ]
+
+
 class DequantizeParams(ctypes.Structure):
     """Mirror of ``fp8kturbov_dequantize_params_t``."""
 
@@ -184,6 +224,11 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "fp8kturbov_paged_decode_attn": (_status, [ctypes.POINTER(DecodeParams), _ptr]),
     "fp8kturbov_paged_decode_workspace_bytes": (
         _status, [ctypes.POINTER(DecodeParams), ctypes.POINTER(_u64)]),
+    "fp8kturbov_prefill_params_init": (None, [ctypes.POINTER(PrefillParams)]),
+    "fp8kturbov_prefill_params_init_sized": (_status, [ctypes.POINTER(PrefillParams), ctypes.c_size_t]),
+    "fp8kturbov_paged_prefill_attn": (_status, [ctypes.POINTER(PrefillParams), _ptr]),
+    "fp8kturbov_paged_prefill_workspace_bytes": (
+        _status, [ctypes.POINTER(PrefillParams), ctypes.POINTER(_u64)]),
     "fp8kturbov_dequantize_params_init": (None, [ctypes.POINTER(DequantizeParams)]),
     "fp8kturbov_dequantize_params_init_sized": (
         _status, [ctypes.POINTER(DequantizeParams), ctypes.c_size_t]),

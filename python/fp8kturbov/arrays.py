@@ -53,7 +53,7 @@ from .layout import CacheLayout
 from ._limits import MAX_Q_LEN  # noqa: F401  (importable from here, as before the split)
 from .cache import BACKENDS, KVCache, allocate, open_cache  # noqa: F401  (BACKENDS: the same)
 
-__all__ = ["ArgumentError", "DeviceBuffer", "KVCache", "dequantize_kv", "paged_decode", "write_kv"]
+__all__ = ["ArgumentError", "DeviceBuffer", "KVCache", "dequantize_kv", "paged_decode", "paged_prefill", "write_kv"]
 
 
 # ---- One call: its arrays and its stream --------------------------------------------------------
@@ -264,6 +264,60 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
             sinks=call["sinks"].ptr if call.get("sinks") is not None else 0, soft_cap=soft_cap,
             v_rotation=cache.v_rotation, stream=call.stream, **query_row_args, **append_args,
             **cache._layout_args(), **cache._checked_args())
+    return out
+
+
+def paged_prefill(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, query_start: Any, *, max_q_len: int,
+                  out: Any = None, lse: Any = None, inv_sqrt_d: float | None = None, sliding_window: int = 0,
+                  sinks: Any = None, soft_cap: float = 0.0, stream: Any = None) -> Any:
+    """Paged prefill attention over the cache (chunked prefill, long verify); returns ``out``.
+
+    Each sequence's chunk, rows ``query_start[s] .. query_start[s+1]-1`` of ``q`` (bf16
+    ``[num_query_rows, num_q_heads, head_dim]``, as :func:`paged_decode` takes it with
+    ``query_start``), is its last ``q_len`` positions, written to the cache first (:func:`write_kv`):
+    token ``i`` attends the positions before ``seq_len - q_len + i + 1`` (causal inside the chunk and
+    over the cached prefix), the sliding window counting back from there. ``max_q_len``: the largest
+    ``q_len``, a host int (the library never reads ``query_start`` on the host; a longer chunk is not
+    computed, a checked cache reports it). ``lse``: None, or float32 ``[num_query_rows,
+    num_q_heads]``, contiguous: each row's natural-log softmax denominator (``-inf`` for a row with
+    no position), for merging with another attention. ``block_tables``, ``seq_lens``, ``out``,
+    ``inv_sqrt_d``, ``sliding_window``, ``sinks``, ``soft_cap``, streams: as :func:`paged_decode`.
+    Tensor cores (compute capability 8.0 or newer); head_dim 64, 128 or 256.
+    """
+    layout = open_cache(cache).layout
+    if out is None:
+        out = _new_output(q)
+    call = _Call.gather(stream, q=q, block_tables=block_tables, seq_lens=seq_lens, query_start=query_start,
+                        out=out, lse=lse, sinks=sinks)
+    q_array, heads, dim = call["q"], layout.num_kv_heads, layout.head_dim
+    check_array(q_array, "bfloat16", (None, None, dim), f"[num_query_rows, num_q_heads, {dim}]", dense_from=1)
+    num_rows, num_q_heads = q_array.shape[:2]
+    if num_q_heads == 0 or num_q_heads % heads:
+        raise ArgumentError("q", f"{num_q_heads} query heads",
+                            f"a positive multiple of the cache's num_kv_heads = {heads}")
+    check_array(call["block_tables"], "int32", (None, None), "[num_seqs, max_blocks_per_seq]", dense_from=1)
+    num_seqs, max_blocks_per_seq = call["block_tables"].shape
+    check_array(call["seq_lens"], "int32", (num_seqs,), f"[{num_seqs}] (num_seqs)")
+    check_array(call["query_start"], "int32", (num_seqs + 1,), f"[{num_seqs + 1}] (num_seqs + 1)")
+    check_array(call["out"], "bfloat16", q_array.shape, f"{list(q_array.shape)} (as q)")
+    check_writable(call["out"])
+    if call.get("lse") is not None:
+        check_array(call["lse"], "float32", (num_rows, num_q_heads), f"[{num_rows}, {num_q_heads}] (q's rows, heads)")
+        check_writable(call["lse"])
+    if call.get("sinks") is not None:
+        check_array(call["sinks"], "float32", (num_q_heads,), f"[{num_q_heads}] (num_q_heads)")
+    with call.launching(cache):
+        ops.paged_prefill_attn(
+            q=q_array.ptr, k_cache=cache.k_ptr, v_cache=cache.v_ptr, output=call["out"].ptr,
+            block_tables=call["block_tables"].ptr, seq_lens=call["seq_lens"].ptr,
+            query_start=call["query_start"].ptr, lse=call["lse"].ptr if call.get("lse") is not None else 0,
+            max_blocks_per_seq=max_blocks_per_seq,
+            block_tables_stride=row_stride(call["block_tables"], max_blocks_per_seq), num_seqs=num_seqs,
+            num_q_heads=num_q_heads, inv_sqrt_d=dim ** -0.5 if inv_sqrt_d is None else inv_sqrt_d,
+            k_scale=cache.k_scale, q_stride=row_stride(q_array, num_q_heads * dim), max_q_len=max_q_len,
+            num_query_rows=num_rows, sliding_window=sliding_window,
+            sinks=call["sinks"].ptr if call.get("sinks") is not None else 0, soft_cap=soft_cap,
+            v_rotation=cache.v_rotation, stream=call.stream, **cache._layout_args(), **cache._checked_args())
     return out
 
 

@@ -12,7 +12,7 @@ import ctypes
 from typing import Any
 
 from ._device import stream_handle
-from ._lib import DecodeParams, DequantizeParams, WriteParams, check, library
+from ._lib import DecodeParams, DequantizeParams, PrefillParams, WriteParams, check, library
 from ._limits import DEFAULT_SPARSE_V_THRESHOLD
 from ._scalars import U32_MAX, U64_MAX, float32, pointer, unsigned
 
@@ -192,6 +192,58 @@ def paged_decode_workspace_bytes(
     result = ctypes.c_uint64()
     check(library().fp8kturbov_paged_decode_workspace_bytes(ctypes.byref(params),
                                                             ctypes.byref(result)))
+    return result.value
+
+
+def paged_prefill_attn(
+    q: int, k_cache: int, v_cache: int, output: int, block_tables: int, seq_lens: int, query_start: int, *,
+    max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int, inv_sqrt_d: float, k_scale: float, q_stride: int, v_bits: int,
+    v_block_stride_bytes: int, v_data_section_bytes: int, max_q_len: int, num_query_rows: int,
+    lse: int = 0, k_block_stride_bytes: int = 0, block_tables_stride: int = 0, sliding_window: int = 0,
+    soft_cap: float = 0.0, sinks: int = 0, v_rotation: int = 0, workspace: int = 0,
+    workspace_bytes: int = 0, num_blocks: int = 0, error_flags: int = 0, stream: Any = None,
+) -> None:
+    """Paged prefill attention (``fp8kturbov_paged_prefill_attn``); see the C header.
+
+    Sequence ``s``'s chunk is query rows ``query_start[s] … query_start[s+1] − 1`` (int32, device),
+    its last ``q_len`` positions, already written to the cache: token ``i`` attends the positions
+    before ``seq_len − q_len + i + 1``. ``max_q_len``: the largest ``q_len`` (it sizes the grid);
+    ``num_query_rows``: the rows of ``q``, ``output`` and ``lse``. ``lse``: 0, or the device address
+    of float32 ``[num_query_rows, num_q_heads]`` natural-log softmax denominators, for merging with
+    another attention. The other arguments are :func:`paged_decode_attn`'s.
+    """
+    params = _params(
+        PrefillParams, "fp8kturbov_prefill_params_init_sized",
+        q=q, k_cache=k_cache, v_cache=v_cache, output=output, lse=lse, block_tables=block_tables,
+        seq_lens=seq_lens, query_start=query_start, max_blocks_per_seq=max_blocks_per_seq,
+        num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, inv_sqrt_d=inv_sqrt_d, k_scale=k_scale, q_stride=q_stride, v_bits=v_bits,
+        k_block_stride_bytes=k_block_stride_bytes, v_block_stride_bytes=v_block_stride_bytes,
+        v_data_section_bytes=v_data_section_bytes, block_tables_stride=block_tables_stride,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, v_rotation=v_rotation,
+        max_q_len=max_q_len, num_query_rows=num_query_rows, workspace=workspace,
+        workspace_bytes=workspace_bytes, num_blocks=num_blocks, error_flags=error_flags)
+    check(library().fp8kturbov_paged_prefill_attn(ctypes.byref(params), stream_handle(stream)))
+
+
+def paged_prefill_workspace_bytes(
+    *, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int, q_stride: int, v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
+    max_q_len: int, k_block_stride_bytes: int = 0, sliding_window: int = 0, inv_sqrt_d: float = 1.0,
+    k_scale: float = 1.0, soft_cap: float = 0.0, v_rotation: int = 0,
+) -> int:
+    """Workspace BYTES for :func:`paged_prefill_attn` with these scalars on the current device. A host
+    query: no synchronisation."""
+    params = _params(
+        PrefillParams, "fp8kturbov_prefill_params_init_sized",
+        max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, q_stride=q_stride,
+        v_bits=v_bits, v_block_stride_bytes=v_block_stride_bytes, v_data_section_bytes=v_data_section_bytes,
+        max_q_len=max_q_len, k_block_stride_bytes=k_block_stride_bytes, sliding_window=sliding_window,
+        inv_sqrt_d=inv_sqrt_d, k_scale=k_scale, soft_cap=soft_cap, v_rotation=v_rotation)
+    result = ctypes.c_uint64()
+    check(library().fp8kturbov_paged_prefill_workspace_bytes(ctypes.byref(params), ctypes.byref(result)))
     return result.value
 
 

@@ -35,7 +35,7 @@ __all__ = [
     "BOUNDS", "CODEBOOKS", "E4M3_MAX", "GROUP_ELEMS", "LEVEL_MAX",
     "k_page_bytes", "v_data_section_bytes", "v_scale_section_bytes", "v_page_bytes", "v_group_bytes",
     "e4m3_encode", "e4m3_decode", "encode_k", "decode_k", "pack_codes", "unpack_codes",
-    "encode_v", "decode_v", "write_cache", "dequantize_cache", "paged_decode",
+    "encode_v", "decode_v", "write_cache", "dequantize_cache", "paged_decode", "paged_prefill",
     "V_ENCODERS", "MSE_CANDIDATE_BYTES", "PROJECTION_CANDIDATE_BYTES", "ROTATION_DIMS", "rotation_signs", "hadamard", "rotate", "unrotate",
 ]
 
@@ -577,9 +577,9 @@ def _window_start(end: int, sliding_window: int) -> int:
 
 
 def _attend(q_head: NDArray[np.float64], k: NDArray[np.float64], v: NDArray[np.float64], inv_sqrt_d: float,
-            soft_cap: float, sink: float | None, sparse_v_threshold: float) -> NDArray[np.float64]:
+            soft_cap: float, sink: float | None, sparse_v_threshold: float) -> tuple[NDArray[np.float64], float]:
     """One query head's output over its attended K and V rows ``[P, D]`` (P > 0), FORMAT.md §5 with the
-    options of `paged_decode`."""
+    options of `paged_decode`, and the natural log of its softmax denominator (the sink's term included)."""
     scores = (k @ q_head) * float(inv_sqrt_d)
     if soft_cap > 0:
         scores = soft_cap * np.tanh(scores / soft_cap)
@@ -590,7 +590,7 @@ def _attend(q_head: NDArray[np.float64], k: NDArray[np.float64], v: NDArray[np.f
     if sparse_v_threshold > 0:
         running_max = np.maximum.accumulate(scores)
         keep = np.exp(scores - running_max) > sparse_v_threshold
-    return (weights[keep] @ v[keep]) / denominator
+    return (weights[keep] @ v[keep]) / denominator, float(top + np.log(denominator))
 
 
 def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], block_tables: ArrayLike,
@@ -633,6 +633,45 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
     stays in the denominator ``Σ exp(score_p − M)`` (``M`` = final maximum). Since ``m ≤ M``, a skipped
     row has ``exp(score_p − M) ≤ τ``, so ``‖out_τ − out_0‖ ≤ Σ_{p: exp(score_p − M) ≤ τ} softmax_p·‖v_p‖``.
     """
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, max_blocks_per_seq, num_seqs, num_q_heads,
+                            num_kv_heads, head_dim, block_size, inv_sqrt_d, k_scale, q_stride, v_block_stride_bytes,
+                            v_data_section_bytes, sliding_window, bits, k_block_stride_bytes, sparse_v_threshold,
+                            query_start=query_start, sinks=sinks, soft_cap=soft_cap, rotation=rotation)[0]
+
+
+def paged_prefill(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], block_tables: ArrayLike,
+                  seq_lens: ArrayLike, query_start: ArrayLike, max_blocks_per_seq: int, num_seqs: int,
+                  num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, inv_sqrt_d: float,
+                  k_scale: float, q_stride: int, v_block_stride_bytes: int, v_data_section_bytes: int,
+                  sliding_window: int, bits: int, k_block_stride_bytes: int | None = None, *,
+                  sinks: ArrayLike | None = None, soft_cap: float = 0.0,
+                  rotation: bool = False) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Paged prefill attention over the cache (chunked prefill, long verify), in float64: `paged_decode`
+    with ``query_start`` (required; any chunk length up to ``seq_len``) and exact V (no sparse-V
+    threshold). Sequence ``s``'s chunk is its last ``q_len`` positions, already in the cache: its token ``i``
+    attends the positions before ``seq_len − q_len + i + 1`` (causal inside the chunk and over the cached
+    prefix), with the sliding window counted back from there.
+
+    Returns ``(out, lse)``: ``out`` ``[R, num_q_heads, D]`` as `paged_decode`'s, and ``lse``
+    ``[R, num_q_heads]``, the natural log of each row's softmax denominator,
+    ``log(Σ_p e^(score_p) + e^(sink_h))`` (so ``out = Σ_p e^(score_p − lse)·v_p``; the sink term only with
+    ``sinks``), for merging with another attention over other positions; ``−inf`` for a row with no
+    position to attend (its output zeros).
+    """
+    return _paged_attention(q, k_cache, v_cache, block_tables, seq_lens, max_blocks_per_seq, num_seqs, num_q_heads,
+                            num_kv_heads, head_dim, block_size, inv_sqrt_d, k_scale, q_stride, v_block_stride_bytes,
+                            v_data_section_bytes, sliding_window, bits, k_block_stride_bytes, 0.0,
+                            query_start=query_start, sinks=sinks, soft_cap=soft_cap, rotation=rotation)
+
+
+def _paged_attention(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.uint8], block_tables: ArrayLike,
+                     seq_lens: ArrayLike, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int,
+                     num_kv_heads: int, head_dim: int, block_size: int, inv_sqrt_d: float, k_scale: float,
+                     q_stride: int, v_block_stride_bytes: int, v_data_section_bytes: int, sliding_window: int,
+                     bits: int, k_block_stride_bytes: int | None, sparse_v_threshold: float, *,
+                     query_start: ArrayLike | None, sinks: ArrayLike | None, soft_cap: float,
+                     rotation: bool) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """`paged_decode`'s and `paged_prefill`'s attention: the outputs and the rows' log-denominators."""
     packed = k_block_stride_bytes is None or _scalars.unsigned("k_block_stride_bytes", k_block_stride_bytes,
                                                                 U64_MAX) == 0
     if packed:  # as 0 in the C params
@@ -659,6 +698,7 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
     num_pages = layout.num_pages(k_cache, v_cache)
     group_size = num_q_heads // layout.num_kv_heads
     out = np.zeros((num_rows, num_q_heads, head_dim), dtype=np.float64)
+    lse = np.full((num_rows, num_q_heads), -np.inf)
     for s in range(num_seqs):
         seq_len = int(lengths[s])
         q_len = int(starts[s + 1] - starts[s])
@@ -675,9 +715,9 @@ def paged_decode(q: ArrayLike, k_cache: NDArray[np.uint8], v_cache: NDArray[np.u
                 q_start = row * q_stride + h * head_dim
                 q_head = q_flat[q_start:q_start + head_dim].astype(np.float64)
                 sink = None if sink_logits is None else sink_logits[h]
-                out[row, h] = _attend(q_head, k[start:end, kv_head, :], v[start:end, kv_head, :], inv_sqrt_d,
-                                      soft_cap, sink, sparse_v_threshold)
-    return unrotate(out, head_dim) if rotation else out
+                out[row, h], lse[row, h] = _attend(q_head, k[start:end, kv_head, :], v[start:end, kv_head, :],
+                                                   inv_sqrt_d, soft_cap, sink, sparse_v_threshold)
+    return (unrotate(out, head_dim) if rotation else out), lse
 
 
 def _query_starts(query_start: ArrayLike | None, seq_lens: NDArray[np.int64], num_seqs: int) -> NDArray[np.int64]:

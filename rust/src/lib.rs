@@ -17,6 +17,9 @@ pub use engine::{
 };
 pub use error::{check, Error, Result, Status};
 pub use layout::{k_page_bytes, v_data_section_bytes, v_page_bytes, CacheLayout};
-pub use ops::{dequantize, paged_decode_attn, paged_decode_workspace_bytes, reshape_and_cache};
-pub use params::{DecodeParams, DequantizeParams, VEncoder, VRotation, WriteParams};
+pub use ops::{
+    dequantize, paged_decode_attn, paged_decode_workspace_bytes, paged_prefill_attn,
+    paged_prefill_workspace_bytes, reshape_and_cache,
+};
+pub use params::{DecodeParams, DequantizeParams, PrefillParams, VEncoder, VRotation, WriteParams};
 pub use version::{abi_version, check_abi, version};

@@ -5,7 +5,7 @@
 //! point, which nothing on the host can check. (The ABI was checked when the params were built.)
 
 use crate::error::{check, Result};
-use crate::params::{DecodeParams, DequantizeParams, WriteParams};
+use crate::params::{DecodeParams, DequantizeParams, PrefillParams, WriteParams};
 use crate::sys;
 
 pub(crate) fn stream_handle(stream: u64) -> sys::fp8kturbov_stream_t {
@@ -37,6 +37,27 @@ pub fn paged_decode_workspace_bytes(params: &DecodeParams) -> Result<u64> {
     let mut bytes = 0u64;
     // SAFETY: reads the params struct and writes one u64 on the host.
     check(unsafe { sys::fp8kturbov_paged_decode_workspace_bytes(params.as_raw(), &mut bytes) })?;
+    Ok(bytes)
+}
+
+/// Paged prefill attention (`fp8kturbov_paged_prefill_attn`): each sequence's chunk of query
+/// rows, `query_start[s] .. query_start[s + 1] - 1`, attends its cached positions causally (the
+/// chunk's own K and V written first, by [`reshape_and_cache`]); `lse`, if set, receives each
+/// row's log-sum-exp for merging with another attention.
+///
+/// # Safety
+/// As for [`paged_decode_attn`]; `query_start` holds `num_seqs + 1` entries, and `q`, `output`
+/// and `lse` (if set) hold `num_query_rows` rows.
+pub unsafe fn paged_prefill_attn(params: &PrefillParams, stream: u64) -> Result<()> {
+    check(sys::fp8kturbov_paged_prefill_attn(params.as_raw(), stream_handle(stream)))
+}
+
+/// The workspace bytes that `params` needs on the current device. A host query: the params'
+/// pointers are not read.
+pub fn paged_prefill_workspace_bytes(params: &PrefillParams) -> Result<u64> {
+    let mut bytes = 0u64;
+    // SAFETY: reads the params struct and writes one u64 on the host.
+    check(unsafe { sys::fp8kturbov_paged_prefill_workspace_bytes(params.as_raw(), &mut bytes) })?;
     Ok(bytes)
 }
 

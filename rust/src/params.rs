@@ -1,4 +1,4 @@
-//! Builders for the three params structs. Each starts from the library's
+//! Builders for the four params structs. Each starts from the library's
 //! `*_params_init_sized(params, size_of)`, so that the defaults are the library's and a newer
 //! library writes exactly this crate's version of the struct; setters take the C field names,
 //! device pointers as `u64`.
@@ -22,8 +22,8 @@ pub enum VEncoder {
     Projection = sys::FP8KTURBOV_V_ENCODER_PROJECTION,
 }
 
-/// `fp8kturbov_v_rotation_t`: the rotation fused into the write and undone by the decode; a
-/// cache must be decoded with the rotation it was written with.
+/// `fp8kturbov_v_rotation_t`: the rotation fused into the write and undone by the decode and the
+/// prefill; a cache must be read with the rotation it was written with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
 pub enum VRotation {
@@ -97,6 +97,11 @@ builder!(
     DecodeParams, sys::fp8kturbov_decode_params_t, sys::fp8kturbov_decode_params_init_sized
 );
 builder!(
+    /// `fp8kturbov_prefill_params_t`, for [`crate::paged_prefill_attn`] and
+    /// [`crate::paged_prefill_workspace_bytes`].
+    PrefillParams, sys::fp8kturbov_prefill_params_t, sys::fp8kturbov_prefill_params_init_sized
+);
+builder!(
     /// `fp8kturbov_dequantize_params_t`, for [`crate::dequantize`].
     DequantizeParams,
     sys::fp8kturbov_dequantize_params_t,
@@ -119,6 +124,14 @@ setters!(DecodeParams {
     u32 num_query_rows, u64 block_tables_stride, ptr append_key, ptr append_value,
     ptr append_slot_mapping, u32 append_key_stride, u32 append_value_stride,
 });
+setters!(PrefillParams {
+    ptr q, ptr k_cache, ptr v_cache, ptr output, ptr lse, ptr block_tables, ptr seq_lens,
+    ptr query_start, u32 max_blocks_per_seq, u32 num_seqs, u32 num_q_heads, u32 num_kv_heads,
+    u32 head_dim, u32 block_size, f32 inv_sqrt_d, f32 k_scale, u32 q_stride, u32 v_bits,
+    u64 k_block_stride_bytes, u64 v_block_stride_bytes, u64 v_data_section_bytes,
+    u64 block_tables_stride, u32 sliding_window, f32 soft_cap, ptr sinks, u32 max_q_len,
+    u32 num_query_rows, ptr workspace, u64 workspace_bytes, u64 num_blocks, ptr error_flags,
+});
 setters!(DequantizeParams {
     ptr k_cache, ptr v_cache, ptr slot_mapping, ptr key, ptr value,
     u32 num_tokens, u32 num_kv_heads, u32 head_dim, u32 block_size, u32 key_stride,
@@ -131,17 +144,9 @@ impl WriteParams {
         self.raw.v_encoder = encoder as u32;
         self
     }
-    pub fn v_rotation(mut self, rotation: VRotation) -> Self {
-        self.raw.v_rotation = rotation as u32;
-        self
-    }
 }
 
 impl DecodeParams {
-    pub fn v_rotation(mut self, rotation: VRotation) -> Self {
-        self.raw.v_rotation = rotation as u32;
-        self
-    }
     /// The V encoder of the fused append's tokens.
     pub fn v_encoder(mut self, encoder: VEncoder) -> Self {
         self.raw.v_encoder = encoder as u32;
@@ -167,4 +172,17 @@ macro_rules! cache_layout_setter {
         })*
     };
 }
-cache_layout_setter!(WriteParams, DecodeParams, DequantizeParams);
+cache_layout_setter!(WriteParams, DecodeParams, PrefillParams, DequantizeParams);
+
+/// The `v_rotation` setter of the params that have the field (all but the dequantize's).
+macro_rules! v_rotation_setter {
+    ($($builder:ident),*) => {
+        $(impl $builder {
+            pub fn v_rotation(mut self, rotation: VRotation) -> Self {
+                self.raw.v_rotation = rotation as u32;
+                self
+            }
+        })*
+    };
+}
+v_rotation_setter!(WriteParams, DecodeParams, PrefillParams);

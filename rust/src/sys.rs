@@ -135,6 +135,44 @@ pub const FP8KTURBOV_DECODE_PARAMS_V4_SIZE: usize = 208;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
+pub struct fp8kturbov_prefill_params_t {
+    pub struct_size: usize,
+    pub q: *const c_void,
+    pub k_cache: *const c_void,
+    pub v_cache: *const c_void,
+    pub output: *mut c_void,
+    pub lse: *mut f32,
+    pub block_tables: *const i32,
+    pub seq_lens: *const i32,
+    pub query_start: *const i32,
+    pub max_blocks_per_seq: u32,
+    pub num_seqs: u32,
+    pub num_q_heads: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub block_size: u32,
+    pub inv_sqrt_d: f32,
+    pub k_scale: f32,
+    pub q_stride: u32,
+    pub v_bits: u32,
+    pub k_block_stride_bytes: u64,
+    pub v_block_stride_bytes: u64,
+    pub v_data_section_bytes: u64,
+    pub block_tables_stride: u64,
+    pub sliding_window: u32,
+    pub soft_cap: f32,
+    pub sinks: *const f32,
+    pub v_rotation: u32,
+    pub max_q_len: u32,
+    pub num_query_rows: u32,
+    pub workspace: *mut c_void,
+    pub workspace_bytes: u64,
+    pub num_blocks: u64,
+    pub error_flags: *mut u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
 pub struct fp8kturbov_dequantize_params_t {
     pub struct_size: usize,
     pub k_cache: *const c_void,
@@ -201,6 +239,20 @@ extern "C" {
     ) -> fp8kturbov_status_t;
     pub fn fp8kturbov_paged_decode_workspace_bytes(
         params: *const fp8kturbov_decode_params_t,
+        workspace_bytes: *mut u64,
+    ) -> fp8kturbov_status_t;
+
+    pub fn fp8kturbov_prefill_params_init(params: *mut fp8kturbov_prefill_params_t);
+    pub fn fp8kturbov_prefill_params_init_sized(
+        params: *mut fp8kturbov_prefill_params_t,
+        struct_size: usize,
+    ) -> fp8kturbov_status_t;
+    pub fn fp8kturbov_paged_prefill_attn(
+        params: *const fp8kturbov_prefill_params_t,
+        stream: fp8kturbov_stream_t,
+    ) -> fp8kturbov_status_t;
+    pub fn fp8kturbov_paged_prefill_workspace_bytes(
+        params: *const fp8kturbov_prefill_params_t,
         workspace_bytes: *mut u64,
     ) -> fp8kturbov_status_t;
 

@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::{assert_failure, valid_decode, valid_write};
+use std::mem::size_of;
+
+use common::{assert_failure, valid_decode, valid_prefill, valid_write};
 use fp8kturbov::{check, reshape_and_cache, sys, Status};
 
 #[test]
@@ -37,6 +39,9 @@ fn a_null_params_pointer_is_named() {
         let raw = sys::fp8kturbov_paged_decode_attn(null(), null_mut());
         let entry = "fp8kturbov_paged_decode_attn";
         assert_failure(check(raw), Status::NullPointer, entry, "params is NULL");
+        let raw = sys::fp8kturbov_paged_prefill_attn(null(), null_mut());
+        let entry = "fp8kturbov_paged_prefill_attn";
+        assert_failure(check(raw), Status::NullPointer, entry, "params is NULL");
         let raw = sys::fp8kturbov_dequantize(null(), null_mut());
         assert_failure(check(raw), Status::NullPointer, "fp8kturbov_dequantize", "params is NULL");
         let raw = sys::fp8kturbov_write_params_init_sized(std::ptr::null_mut(), 8);
@@ -52,6 +57,13 @@ fn an_unknown_struct_size_is_refused() {
     let raw = unsafe { sys::fp8kturbov_reshape_and_cache(&write, std::ptr::null_mut()) };
     let entry = "fp8kturbov_reshape_and_cache";
     assert_failure(check(raw), Status::BadStructSize, entry, "struct_size");
+    // The prefill struct has one version: its size is the only one known.
+    let mut prefill = *valid_prefill().as_raw();
+    prefill.struct_size -= 8;
+    // SAFETY: as above.
+    let raw = unsafe { sys::fp8kturbov_paged_prefill_attn(&prefill, std::ptr::null_mut()) };
+    let known = format!("knows {}", size_of::<sys::fp8kturbov_prefill_params_t>());
+    assert_failure(check(raw), Status::BadStructSize, "fp8kturbov_paged_prefill_attn", &known);
     let mut decode = *valid_decode().as_raw();
     // SAFETY: an unknown size is refused before anything is written.
     let raw = unsafe { sys::fp8kturbov_decode_params_init_sized(&mut decode, 7) };

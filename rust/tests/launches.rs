@@ -22,6 +22,12 @@ fn builders_start_from_the_librarys_defaults() {
     assert_eq!(decode.v_bits, sys::FP8KTURBOV_DEFAULT_V_BITS);
     assert_eq!(decode.sparse_v_threshold, sys::FP8KTURBOV_DEFAULT_SPARSE_V_THRESHOLD);
     assert!(decode.workspace.is_null() && decode.sliding_window == 0 && decode.max_q_len == 0);
+    let prefill = *PrefillParams::new().unwrap().as_raw();
+    assert_eq!(prefill.struct_size, size_of::<sys::fp8kturbov_prefill_params_t>());
+    assert_eq!(prefill.v_bits, sys::FP8KTURBOV_DEFAULT_V_BITS);
+    assert!(prefill.q.is_null() && prefill.lse.is_null() && prefill.query_start.is_null());
+    assert_eq!((prefill.max_q_len, prefill.num_query_rows, prefill.soft_cap), (0, 0, 0.0));
+    assert_eq!(prefill.v_rotation, VRotation::None as u32);
     let dequantize = *DequantizeParams::new().unwrap().as_raw();
     assert_eq!(dequantize.struct_size, size_of::<sys::fp8kturbov_dequantize_params_t>());
     assert_eq!(dequantize.v_bits, sys::FP8KTURBOV_DEFAULT_V_BITS);
@@ -35,6 +41,10 @@ fn setters_write_the_named_fields() {
     let decode = *valid_decode().v_rotation(VRotation::Hadamard).block_tables_stride(9).as_raw();
     assert_eq!(decode.v_rotation, sys::FP8KTURBOV_V_ROTATION_HADAMARD);
     assert_eq!((decode.block_tables_stride, decode.head_dim), (9, D));
+    let prefill = valid_prefill().lse(0x2000).query_start(0x3000).max_q_len(64);
+    let prefill = *prefill.v_rotation(VRotation::Hadamard).as_raw();
+    assert_eq!((prefill.lse as usize, prefill.query_start as usize), (0x2000, 0x3000));
+    assert_eq!((prefill.max_q_len, prefill.v_rotation), (64, sys::FP8KTURBOV_V_ROTATION_HADAMARD));
 }
 
 #[test]
@@ -61,6 +71,50 @@ fn generic_entry_points_name_the_argument_at_fault() {
     let r = paged_decode_workspace_bytes(&valid_decode().head_dim(80).q_stride(HQ * 80));
     let entry = "fp8kturbov_paged_decode_workspace_bytes";
     assert_failure(r.map(drop), Status::NotSupported, entry, "head_dim = 80");
+}
+
+/// A prefill with work (one sequence, one query row), its pointers at 1 MiB-aligned addresses
+/// that nothing allocated; all but `query_start`, the one the decode does not require.
+fn prefill_with_work() -> PrefillParams {
+    let [a, b, c, d, e, f] = [1u64, 2, 3, 4, 5, 6].map(|i| i << 20);
+    valid_prefill()
+        .q(a)
+        .k_cache(b)
+        .v_cache(c)
+        .output(d)
+        .block_tables(e)
+        .seq_lens(f)
+        .num_seqs(1)
+        .max_q_len(1)
+        .num_query_rows(1)
+}
+
+#[test]
+fn the_prefill_names_the_argument_at_fault() {
+    let (entry, workspace_entry) =
+        ("fp8kturbov_paged_prefill_attn", "fp8kturbov_paged_prefill_workspace_bytes");
+    let head_dim_512 = CacheLayout::new(8, B, HKV, 512, 3).unwrap();
+    let head_dim_512 = valid_prefill().cache_layout(&head_dim_512).q_stride(HQ * 512);
+    // SAFETY (every call): zero work, or host validation refuses the arguments.
+    unsafe {
+        assert_eq!(paged_prefill_attn(&valid_prefill(), 0), Ok(()));
+        // max_q_len = 0: no sequence has a query row, so nothing is read.
+        assert_eq!(paged_prefill_attn(&valid_prefill().num_seqs(1), 0), Ok(()));
+        let r = paged_prefill_attn(&prefill_with_work(), 0);
+        assert_failure(r, Status::NullPointer, entry, "query_start is NULL");
+        let r = paged_prefill_attn(&prefill_with_work().query_start(7 << 20).lse((8 << 20) + 2), 0);
+        assert_failure(r, Status::Misaligned, entry, "is not 4-byte aligned");
+        // Unlike the decode's 16, a chunk is bounded by the positions of a block-table row.
+        let r = paged_prefill_attn(&valid_prefill().max_q_len(4 * B + 1), 0);
+        assert_failure(r, Status::InvalidValue, entry, &format!("max_q_len = {}", 4 * B + 1));
+        let r = paged_prefill_attn(&head_dim_512, 0);
+        assert_failure(r, Status::NotSupported, entry, "head_dim = 512");
+    }
+    // The header's "this version needs none"; a host query, with or without a GPU.
+    let longest_chunk = valid_prefill().num_seqs(1).max_q_len(4 * B);
+    assert_eq!(paged_prefill_workspace_bytes(&longest_chunk), Ok(0));
+    let r = paged_prefill_workspace_bytes(&head_dim_512.num_seqs(1).max_q_len(1));
+    assert_failure(r.map(drop), Status::NotSupported, workspace_entry, "head_dim = 512");
 }
 
 // The launchers' signatures, one line each (rustfmt would give every type a line).
@@ -216,9 +270,11 @@ fn without_a_gpu_every_launch_with_work_fails_with_a_cuda_error() {
         let w = valid_write().key(a).value(b).k_cache(c).v_cache(d).slot_mapping(e).num_tokens(1);
         let p = valid_decode().q(a).k_cache(b).v_cache(c).output(d).block_tables(e);
         let q = valid_dequantize().k_cache(a).v_cache(b).slot_mapping(c).key(d).value(e);
+        let prefill = prefill_with_work().query_start(7 << 20);
         vec![
             ("reshape_and_cache".to_string(), reshape_and_cache(&w, 0)),
             ("paged_decode_attn".to_string(), paged_decode_attn(&p.seq_lens(f).num_seqs(1), 0)),
+            ("paged_prefill_attn".to_string(), paged_prefill_attn(&prefill, 0)),
             ("dequantize".to_string(), dequantize(&q.num_tokens(1), 0)),
         ]
     };

@@ -59,6 +59,13 @@ fn rust_structs() -> Vec<Struct> {
             block_tables_stride, append_key, append_value, append_slot_mapping, append_key_stride,
             append_value_stride, v_encoder,
         }
+        fp8kturbov_prefill_params_t {
+            struct_size, q, k_cache, v_cache, output, lse, block_tables, seq_lens, query_start,
+            max_blocks_per_seq, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
+            inv_sqrt_d, k_scale, q_stride, v_bits, k_block_stride_bytes, v_block_stride_bytes,
+            v_data_section_bytes, block_tables_stride, sliding_window, soft_cap, sinks, v_rotation,
+            max_q_len, num_query_rows, workspace, workspace_bytes, num_blocks, error_flags,
+        }
         fp8kturbov_dequantize_params_t {
             struct_size, k_cache, v_cache, slot_mapping, key, value, num_tokens, num_kv_heads,
             head_dim, block_size, key_stride, value_stride, k_scale, v_bits, k_block_stride_bytes,
@@ -127,6 +134,7 @@ c_types! {
     sys::CUstream_st => "struct CUstream_st",
     sys::fp8kturbov_write_params_t => "fp8kturbov_write_params_t",
     sys::fp8kturbov_decode_params_t => "fp8kturbov_decode_params_t",
+    sys::fp8kturbov_prefill_params_t => "fp8kturbov_prefill_params_t",
     sys::fp8kturbov_dequantize_params_t => "fp8kturbov_dequantize_params_t",
 }
 
@@ -262,6 +270,10 @@ fn rust_functions() -> Vec<(String, String)> {
             _,
             _
         ),
+        fp8kturbov_prefill_params_init(_),
+        fp8kturbov_prefill_params_init_sized(_, _),
+        fp8kturbov_paged_prefill_attn(_, _),
+        fp8kturbov_paged_prefill_workspace_bytes(_, _),
         fp8kturbov_dequantize_params_init(_),
         fp8kturbov_dequantize_params_init_sized(_, _),
         fp8kturbov_dequantize(_, _),

@@ -44,6 +44,15 @@ fp8kturbov_status_t fp8kturbov_paged_decode_workspace_bytes(const fp8kturbov_dec
   return decode_workspace_impl(entry, p, workspace_bytes);
 }
 
+fp8kturbov_status_t fp8kturbov_paged_prefill_workspace_bytes(const fp8kturbov_prefill_params_t* params,
+                                                             uint64_t* workspace_bytes) {
+  const char* entry = "fp8kturbov_paged_prefill_workspace_bytes";
+  g_last_error[0] = '\0';
+  fp8kturbov_prefill_params_t p;
+  FP8KTURBOV_CHECK(read_params(entry, params, kPrefillParamsVersions, &p));
+  return prefill_workspace_impl(entry, p, workspace_bytes);
+}
+
 uint64_t fp8kturbov_k_page_bytes(uint32_t block_size, uint32_t num_kv_heads, uint32_t head_dim) {
   // A row of more than 2^32 - 1 elements is refused by every entry point; refusing it here also
   // keeps every page size below 2^64.
@@ -81,6 +90,11 @@ void fp8kturbov_decode_params_init(fp8kturbov_decode_params_t* params) {
     init_params("fp8kturbov_decode_params_init", params, sizeof *params, kDecodeParamsVersions);
 }
 
+void fp8kturbov_prefill_params_init(fp8kturbov_prefill_params_t* params) {
+  if (params != nullptr)
+    init_params("fp8kturbov_prefill_params_init", params, sizeof *params, kPrefillParamsVersions);
+}
+
 // Unlike the other entry points, the *_init_sized functions leave the last-error message alone when
 // they succeed: filling a struct is not an operation whose outcome a later look at the message
 // should report (the Python layer fills one before it range-checks a call's arguments).
@@ -95,6 +109,10 @@ fp8kturbov_status_t fp8kturbov_dequantize_params_init_sized(fp8kturbov_dequantiz
 
 fp8kturbov_status_t fp8kturbov_decode_params_init_sized(fp8kturbov_decode_params_t* params, size_t struct_size) {
   return init_params("fp8kturbov_decode_params_init_sized", params, struct_size, kDecodeParamsVersions);
+}
+
+fp8kturbov_status_t fp8kturbov_prefill_params_init_sized(fp8kturbov_prefill_params_t* params, size_t struct_size) {
+  return init_params("fp8kturbov_prefill_params_init_sized", params, struct_size, kPrefillParamsVersions);
 }
 
 fp8kturbov_status_t fp8kturbov_reshape_and_cache(const fp8kturbov_write_params_t* params,
@@ -122,6 +140,15 @@ fp8kturbov_status_t fp8kturbov_paged_decode_attn(const fp8kturbov_decode_params_
   fp8kturbov_decode_params_t p;
   FP8KTURBOV_CHECK(read_params(entry, params, kDecodeParamsVersions, &p));
   return decode_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
+}
+
+fp8kturbov_status_t fp8kturbov_paged_prefill_attn(const fp8kturbov_prefill_params_t* params,
+                                                  fp8kturbov_stream_t stream) {
+  const char* entry = "fp8kturbov_paged_prefill_attn";
+  g_last_error[0] = '\0';
+  fp8kturbov_prefill_params_t p;
+  FP8KTURBOV_CHECK(read_params(entry, params, kPrefillParamsVersions, &p));
+  return prefill_impl(entry, p, reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"

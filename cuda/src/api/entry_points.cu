@@ -286,9 +286,10 @@ cudaError_t dispatch_decode(uint32_t bits, uint32_t head_dim, const DecodeArgs& 
 }
 
 
-// Every scalar rule of a decode; also resolves the K page stride (0 = packed).
-fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_params_t& p,
-                                    uint64_t* k_block_stride_bytes) {
+// The scalar rules that the decode and the prefill share (their params name these fields alike);
+// also resolves the K page stride (0 = packed).
+template <typename Params>
+fp8kturbov_status_t validate_attention(const char* entry, const Params& p, uint64_t* k_block_stride_bytes) {
   if (!is_supported_v_bits(p.v_bits))
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", p.v_bits);
   if (p.head_dim == 0 || p.head_dim % kGroupElems != 0)
@@ -306,18 +307,7 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (p.num_q_heads > 65535)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_q_heads = %u exceeds 65535",
                 p.num_q_heads);
-  if (p.max_q_len > kDecodeMaxQueryLen)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_q_len = %u exceeds %d", p.max_q_len,
-                kDecodeMaxQueryLen);
   FP8KTURBOV_CHECK(check_v_rotation(entry, p.v_rotation, p.head_dim));
-  FP8KTURBOV_CHECK(check_v_encoder(entry, p.v_encoder));
-  // One CTA per (sequence, KV head, chunk of 8 query columns) at least; a grid holds < 2^31.
-  const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
-                             decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
-  if (base_ctas > INT32_MAX)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "num_seqs = %u needs %" PRIu64 " CTAs (num_seqs * num_kv_heads * "
-                "ceil(max_q_len * group size / 8)), more than 2^31 - 1", p.num_seqs, base_ctas);
   if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
   if (p.max_blocks_per_seq == 0)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_blocks_per_seq = 0");
@@ -343,14 +333,11 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "inv_sqrt_d * k_scale = %g * %g overflows float", double(p.inv_sqrt_d),
                 double(p.k_scale));
-  // The kernel scales scores by the product: a nonzero inv_sqrt_d must not become a zero one.
+  // The kernels scale scores by the product: a nonzero inv_sqrt_d must not become a zero one.
   if (p.inv_sqrt_d != 0.0f && p.inv_sqrt_d * p.k_scale == 0.0f)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "inv_sqrt_d * k_scale = %g * %g underflows float to 0", double(p.inv_sqrt_d),
                 double(p.k_scale));
-  if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "sparse_v_threshold = %g must be finite and >= 0", double(p.sparse_v_threshold));
   if (!std::isfinite(p.soft_cap) || p.soft_cap < 0.0f)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "soft_cap = %g must be finite and >= 0",
                 double(p.soft_cap));
@@ -370,6 +357,55 @@ fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_p
   if (reinterpret_cast<uintptr_t>(p.v_cache) % kDecodeVAlignment != 0)
     return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "v_cache = %p is not %u-byte aligned",
                 p.v_cache, kDecodeVAlignment);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// The pointers that the decode and the prefill share, once there is work; sets the index check.
+template <typename Params>
+fp8kturbov_status_t check_attention_pointers(const char* entry, const Params& p, uint64_t k_block_stride_bytes,
+                                             IndexCheck* index_check) {
+  FP8KTURBOV_REQUIRE_POINTER(q);
+  FP8KTURBOV_REQUIRE_POINTER(k_cache);
+  FP8KTURBOV_REQUIRE_POINTER(v_cache);
+  FP8KTURBOV_REQUIRE_POINTER(output);
+  FP8KTURBOV_REQUIRE_POINTER(block_tables);
+  FP8KTURBOV_REQUIRE_POINTER(seq_lens);
+  if (p.workspace_bytes > 0) {
+    FP8KTURBOV_REQUIRE_POINTER(workspace);
+    if (!is_aligned16(p.workspace))
+      return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "workspace = %p is not 16-byte aligned",
+                  p.workspace);
+  }
+  FP8KTURBOV_CHECK_ALIGNED(q, 2);
+  FP8KTURBOV_CHECK_ALIGNED(output, 2);
+  FP8KTURBOV_CHECK_ALIGNED(block_tables, alignof(int32_t));
+  FP8KTURBOV_CHECK_ALIGNED(seq_lens, alignof(int32_t));
+  FP8KTURBOV_CHECK(resolve_index_check(entry, p, index_check));
+  FP8KTURBOV_CHECK(check_pool_extent(entry, "k_cache", p.k_cache, p.num_blocks, k_block_stride_bytes));
+  FP8KTURBOV_CHECK(check_pool_extent(entry, "v_cache", p.v_cache, p.num_blocks, p.v_block_stride_bytes));
+  FP8KTURBOV_CHECK_ALIGNED(sinks, alignof(float));
+  FP8KTURBOV_CHECK_ALIGNED(query_start, alignof(int32_t));
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// Every scalar rule of a decode; also resolves the K page stride (0 = packed).
+fp8kturbov_status_t validate_decode(const char* entry, const fp8kturbov_decode_params_t& p,
+                                    uint64_t* k_block_stride_bytes) {
+  FP8KTURBOV_CHECK(validate_attention(entry, p, k_block_stride_bytes));
+  if (p.max_q_len > kDecodeMaxQueryLen)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "max_q_len = %u exceeds %d", p.max_q_len,
+                kDecodeMaxQueryLen);
+  FP8KTURBOV_CHECK(check_v_encoder(entry, p.v_encoder));
+  // One CTA per (sequence, KV head, chunk of 8 query columns) at least; a grid holds < 2^31.
+  const uint64_t base_ctas = uint64_t(p.num_seqs) * p.num_kv_heads *
+                             decode_chunks_per_group(p.num_q_heads, p.num_kv_heads, query_rows_per_seq(p));
+  if (base_ctas > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_seqs = %u needs %" PRIu64 " CTAs (num_seqs * num_kv_heads * "
+                "ceil(max_q_len * group size / 8)), more than 2^31 - 1", p.num_seqs, base_ctas);
+  if (!std::isfinite(p.sparse_v_threshold) || p.sparse_v_threshold < 0.0f)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "sparse_v_threshold = %g must be finite and >= 0", double(p.sparse_v_threshold));
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
@@ -442,32 +478,12 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   uint64_t k_block_stride_bytes = 0;
   FP8KTURBOV_CHECK(validate_decode(entry, p, &k_block_stride_bytes));
   if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
-  FP8KTURBOV_REQUIRE_POINTER(q);
-  FP8KTURBOV_REQUIRE_POINTER(k_cache);
-  FP8KTURBOV_REQUIRE_POINTER(v_cache);
-  FP8KTURBOV_REQUIRE_POINTER(output);
-  FP8KTURBOV_REQUIRE_POINTER(block_tables);
-  FP8KTURBOV_REQUIRE_POINTER(seq_lens);
-  if (p.workspace_bytes > 0) {
-    FP8KTURBOV_REQUIRE_POINTER(workspace);
-    if (!is_aligned16(p.workspace))
-      return fail(FP8KTURBOV_STATUS_MISALIGNED, entry, "workspace = %p is not 16-byte aligned",
-                  p.workspace);
-  }
-  FP8KTURBOV_CHECK_ALIGNED(q, 2);
-  FP8KTURBOV_CHECK_ALIGNED(output, 2);
-  FP8KTURBOV_CHECK_ALIGNED(block_tables, alignof(int32_t));
-  FP8KTURBOV_CHECK_ALIGNED(seq_lens, alignof(int32_t));
   IndexCheck index_check{};
-  FP8KTURBOV_CHECK(resolve_index_check(entry, p, &index_check));
-  FP8KTURBOV_CHECK(check_pool_extent(entry, "k_cache", p.k_cache, p.num_blocks, k_block_stride_bytes));
-  FP8KTURBOV_CHECK(check_pool_extent(entry, "v_cache", p.v_cache, p.num_blocks, p.v_block_stride_bytes));
-  FP8KTURBOV_CHECK_ALIGNED(sinks, alignof(float));
+  FP8KTURBOV_CHECK(check_attention_pointers(entry, p, k_block_stride_bytes, &index_check));
   if (p.max_q_len > 1 && p.query_start == nullptr)
     return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry,
                 "query_start is NULL but max_q_len = %u (more than one query row per sequence)",
                 p.max_q_len);
-  FP8KTURBOV_CHECK_ALIGNED(query_start, alignof(int32_t));
   FP8KTURBOV_CHECK(check_append(entry, p));
   DecodeDevice device;
   const cudaError_t query = query_decode_device(p, &device);
@@ -550,6 +566,130 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
   const DecodePlan plan = plan_decode(p, device, UINT64_MAX);
   *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+namespace {
+
+cudaError_t dispatch_prefill(uint32_t bits, uint32_t head_dim, const PrefillArgs& args, cudaStream_t stream,
+                             bool* built) {
+  *built = true;
+#define FP8KTURBOV_PREFILL_CASE(BITS, HEAD_DIM) \
+  if (bits == BITS && head_dim == HEAD_DIM) return launch_paged_prefill<BITS, HEAD_DIM>(args, stream);
+#include "dispatch_prefill.inc"
+#undef FP8KTURBOV_PREFILL_CASE
+  *built = false;
+  return cudaSuccess;
+}
+
+// Query tiles of the longest chunk: the prefill grid's tiles per sequence.
+uint64_t prefill_tiles_per_seq(const fp8kturbov_prefill_params_t& p) {
+  const uint64_t rows = uint64_t(p.max_q_len) * (p.num_q_heads / p.num_kv_heads);
+  return (rows + kPrefillQueryRows - 1) / kPrefillQueryRows;
+}
+
+// Every scalar rule of a prefill; also resolves the K page stride (0 = packed).
+fp8kturbov_status_t validate_prefill(const char* entry, const fp8kturbov_prefill_params_t& p,
+                                     uint64_t* k_block_stride_bytes) {
+  FP8KTURBOV_CHECK(validate_attention(entry, p, k_block_stride_bytes));
+  if (p.head_dim > kPrefillMaxHeadDim)
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry, "head_dim = %u is not supported by the prefill (64, 128, 256)",
+                p.head_dim);
+  if (p.num_kv_heads > 65535)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_kv_heads = %u exceeds 65535", p.num_kv_heads);
+  if (uint64_t(p.max_q_len) > uint64_t(p.max_blocks_per_seq) * p.block_size)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "max_q_len = %u exceeds the positions of a block-table row (max_blocks_per_seq * block_size = %u * %u)",
+                p.max_q_len, p.max_blocks_per_seq, p.block_size);
+  const uint64_t ctas = uint64_t(p.num_seqs) * prefill_tiles_per_seq(p);
+  if (ctas > INT32_MAX)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "num_seqs = %u needs %" PRIu64 " CTAs per KV head (num_seqs * ceil(max_q_len * group size / %u)), "
+                "more than 2^31 - 1", p.num_seqs, ctas, kPrefillQueryRows);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// The prefill's tensor-core instructions need sm_80: a cached attribute read, no synchronisation.
+fp8kturbov_status_t check_prefill_device(const char* entry) {
+  int device = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return report_cuda(err, entry, "device query");
+  if (major < 8)
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                "the prefill needs compute capability 8.0 or newer (device %d is %d.x)", device, major);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+}  // namespace
+
+fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_params_t& p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  uint64_t k_block_stride_bytes = 0;
+  FP8KTURBOV_CHECK(validate_prefill(entry, p, &k_block_stride_bytes));
+  if (p.num_seqs == 0 || p.max_q_len == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  IndexCheck index_check{};
+  FP8KTURBOV_CHECK(check_attention_pointers(entry, p, k_block_stride_bytes, &index_check));
+  FP8KTURBOV_REQUIRE_POINTER(query_start);
+  FP8KTURBOV_CHECK_ALIGNED(lse, alignof(float));
+  FP8KTURBOV_CHECK(check_prefill_device(entry));
+  const FastDivider divider = fast_divider(p.block_size);
+
+  PrefillArgs args{};  // filled by field name
+  args.q = static_cast<const uint16_t*>(p.q);
+  args.k_cache = static_cast<const uint8_t*>(p.k_cache);
+  args.v_cache = static_cast<const uint8_t*>(p.v_cache);
+  args.output = static_cast<uint16_t*>(p.output);
+  args.lse = p.lse;
+  args.block_tables = p.block_tables;
+  args.seq_lens = p.seq_lens;
+  args.query_start = p.query_start;
+  args.max_blocks_per_seq = p.max_blocks_per_seq;
+  args.block_tables_stride = p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq;
+  args.num_seqs = p.num_seqs;
+  args.num_q_heads = p.num_q_heads;
+  args.num_kv_heads = p.num_kv_heads;
+  args.group_size = p.num_q_heads / p.num_kv_heads;
+  args.block_size = p.block_size;
+  args.block_size_multiplier = divider.multiplier;
+  args.block_size_shift = divider.shift;
+  args.score_scale = p.inv_sqrt_d * p.k_scale;
+  args.q_stride = p.q_stride;
+  args.q_vector_loads = allows_vector_access(p.q, p.q_stride);
+  args.output_vector_stores = is_aligned16(p.output);  // rows of num_q_heads * head_dim: multiples of 8
+  args.k_block_stride_bytes = k_block_stride_bytes;
+  args.v_block_stride_bytes = p.v_block_stride_bytes;
+  args.v_data_section_bytes = p.v_data_section_bytes;
+  args.sliding_window = p.sliding_window;
+  args.soft_cap = p.soft_cap;
+  args.sinks = p.sinks;
+  args.rotated_v = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD;
+  args.max_q_len = p.max_q_len;
+  args.num_query_rows = p.num_query_rows;
+  args.tiles_per_seq = uint32_t(prefill_tiles_per_seq(p));
+  args.index_check = index_check;
+  bool built = false;
+  const cudaError_t err = dispatch_prefill(p.v_bits, p.head_dim, args, stream, &built);
+  if (!built)
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                "v_bits = %u with head_dim = %u was not built (CMake options FP8KTURBOV_V_BITS, "
+                "FP8KTURBOV_HEAD_DIMS)",
+                p.v_bits, p.head_dim);
+  return report_launch(err, entry);
+}
+
+fp8kturbov_status_t prefill_workspace_impl(const char* entry, const fp8kturbov_prefill_params_t& p,
+                                           uint64_t* workspace_bytes) {
+  g_last_error[0] = '\0';
+  if (workspace_bytes == nullptr)
+    return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "workspace_bytes is NULL");
+  // Pointers are not part of the question: validate the scalars alone.
+  fp8kturbov_prefill_params_t scalars = p;
+  scalars.k_cache = nullptr;
+  scalars.v_cache = nullptr;
+  uint64_t k_block_stride_bytes = 0;
+  FP8KTURBOV_CHECK(validate_prefill(entry, scalars, &k_block_stride_bytes));
+  *workspace_bytes = 0;  // one CTA per (query tile, KV head) attends the whole range: no partials
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 

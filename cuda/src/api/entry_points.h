@@ -17,5 +17,9 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
 fp8kturbov_status_t decode_workspace_impl(const char* entry,
                                           const fp8kturbov_decode_params_t& params,
                                           uint64_t* workspace_bytes);
+fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_params_t& params,
+                                 cudaStream_t stream);
+fp8kturbov_status_t prefill_workspace_impl(const char* entry, const fp8kturbov_prefill_params_t& params,
+                                           uint64_t* workspace_bytes);
 
 }  // namespace fp8kturbov

@@ -21,7 +21,8 @@ fp8kturbov_status_t check_struct_size(const char* entry, const char* what, size_
   int used = 0;
   for (size_t v = 0; v < VERSIONS; ++v) {
     known = known || given == versions[v];
-    used += std::snprintf(sizes + used, sizeof sizes - used, "%zu (version %zu), ", versions[v], v + 1);
+    if (versions[v] != sizeof(Params))  // a struct of one version lists only this header's size
+      used += std::snprintf(sizes + used, sizeof sizes - used, "%zu (version %zu), ", versions[v], v + 1);
   }
   if (!known)
     return fail(FP8KTURBOV_STATUS_BAD_STRUCT_SIZE, entry,
@@ -45,6 +46,7 @@ fp8kturbov_status_t read_params(const char* entry, const Params* params,
 // prefix of it is the defaults of that version).
 inline void set_defaults(fp8kturbov_write_params_t* p) { p->v_bits = FP8KTURBOV_DEFAULT_V_BITS; }
 inline void set_defaults(fp8kturbov_dequantize_params_t* p) { p->v_bits = FP8KTURBOV_DEFAULT_V_BITS; }
+inline void set_defaults(fp8kturbov_prefill_params_t* p) { p->v_bits = FP8KTURBOV_DEFAULT_V_BITS; }
 inline void set_defaults(fp8kturbov_decode_params_t* p) {
   p->v_bits = FP8KTURBOV_DEFAULT_V_BITS;
   p->sparse_v_threshold = FP8KTURBOV_DEFAULT_SPARSE_V_THRESHOLD;
@@ -67,6 +69,8 @@ constexpr size_t kWriteParamsVersions[] = {FP8KTURBOV_WRITE_PARAMS_V1_SIZE, FP8K
 constexpr size_t kDequantizeParamsVersions[] = {FP8KTURBOV_DEQUANTIZE_PARAMS_V1_SIZE};
 constexpr size_t kDecodeParamsVersions[] = {FP8KTURBOV_DECODE_PARAMS_V1_SIZE, FP8KTURBOV_DECODE_PARAMS_V2_SIZE,
                                              FP8KTURBOV_DECODE_PARAMS_V3_SIZE, FP8KTURBOV_DECODE_PARAMS_V4_SIZE};
+// The prefill struct has one version: this header's (an empty list of earlier ones).
+constexpr size_t kPrefillParamsVersions[] = {sizeof(fp8kturbov_prefill_params_t)};
 static_assert(offsetof(fp8kturbov_write_params_t, num_blocks) == FP8KTURBOV_WRITE_PARAMS_V1_SIZE,
               "the version-1 write struct ends where the checked-mode fields begin");
 static_assert(offsetof(fp8kturbov_write_params_t, v_encoder) == FP8KTURBOV_WRITE_PARAMS_V2_SIZE,

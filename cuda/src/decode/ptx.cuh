@@ -4,6 +4,7 @@
 
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>  // the E4M3 pair conversion's fallback
 
 #include <cstdint>
 

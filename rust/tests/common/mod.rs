@@ -2,7 +2,9 @@
 //! of D = 128, 4 query heads; NULL pointers and zero work unless a test sets them.
 #![allow(dead_code)] // each test crate uses a part
 
-use fp8kturbov::{CacheLayout, DecodeParams, DequantizeParams, Error, Result, Status, WriteParams};
+use fp8kturbov::{
+    CacheLayout, DecodeParams, DequantizeParams, Error, PrefillParams, Result, Status, WriteParams,
+};
 
 pub const B: u32 = 16;
 pub const HKV: u32 = 2;
@@ -19,15 +21,26 @@ pub fn valid_write() -> WriteParams {
     WriteParams::new().unwrap().cache_layout(&layout(3)).key_stride(N).value_stride(N).k_scale(1.0)
 }
 
+/// The fields that the decode and the prefill name alike, valid.
+macro_rules! valid_attention {
+    ($params:ident) => {
+        $params::new()
+            .unwrap()
+            .cache_layout(&layout(3))
+            .max_blocks_per_seq(4)
+            .num_q_heads(HQ)
+            .inv_sqrt_d(INV_SQRT_D)
+            .k_scale(1.0)
+            .q_stride(HQ * D)
+    };
+}
+
 pub fn valid_decode() -> DecodeParams {
-    DecodeParams::new()
-        .unwrap()
-        .cache_layout(&layout(3))
-        .max_blocks_per_seq(4)
-        .num_q_heads(HQ)
-        .inv_sqrt_d(INV_SQRT_D)
-        .k_scale(1.0)
-        .q_stride(HQ * D)
+    valid_attention!(DecodeParams)
+}
+
+pub fn valid_prefill() -> PrefillParams {
+    valid_attention!(PrefillParams)
 }
 
 pub fn valid_dequantize() -> DequantizeParams {
