@@ -447,7 +447,7 @@ def test_prefill_passes_chunks_lse_and_the_cache(make, launches):
                       block_tables_stride=MAX_BLOCKS, num_seqs=S, num_q_heads=HQ, inv_sqrt_d=D ** -0.5,
                       k_scale=K_SCALE, q_stride=HQ * D + 8, max_q_len=Q_LEN, num_query_rows=ROWS,
                       sliding_window=9, sinks=sinks.ptr, soft_cap=20.0, v_rotation=fp8kturbov.VRotation.NONE,
-                      stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
+                      workspace=0, workspace_bytes=0, stream=kw["stream"], **LAYOUT_ARGS, **UNCHECKED_ARGS)
 
 
 @pytest.mark.parametrize("name, shape, dtype, match", [
@@ -1003,6 +1003,26 @@ def test_decode_workspace_is_sized_by_the_library_and_allocated_by_the_backend(m
     assert ("device", (0,), {}) in launches  # sized on the cache's device
     cache.decode_workspace(S, HQ, MAX_BLOCKS, max_q_len=Q_LEN)
     assert queries[-1]["max_q_len"] == Q_LEN
+
+
+def test_prefill_workspace_is_sized_by_the_library_for_the_chunks(monkeypatch, fake_torch, launches):
+    queries = []
+    monkeypatch.setattr(ops, "paged_prefill_workspace_bytes", lambda **kw: queries.append(kw) or 2048)
+    cache = KVCache.wrap(FakeTensor((LAYOUT.k_pool_bytes,), "uint8"),
+                         FakeTensor((LAYOUT.v_pool_bytes,), "uint8"), LAYOUT, K_SCALE)
+    workspace = cache.prefill_workspace(S, HQ, MAX_BLOCKS, Q_LEN, ROWS, sliding_window=5)
+    assert isinstance(workspace, FakeTensor) and workspace.shape == (2048,)
+    assert queries == [dict(max_blocks_per_seq=MAX_BLOCKS, num_seqs=S, num_q_heads=HQ, q_stride=HQ * D,
+                            sliding_window=5, k_scale=K_SCALE, max_q_len=Q_LEN, num_query_rows=ROWS,
+                            **LAYOUT_ARGS)]
+    assert ("device", (0,), {}) in launches  # sized on the cache's device
+
+
+def test_prefill_passes_its_workspace(make, launches):
+    workspace = make((300,), "uint8")
+    fp8kturbov.paged_prefill(cache=make_cache(), workspace=workspace, **multi_token_decode_args(make))
+    kw = launched(launches, "paged_prefill_attn")
+    assert (kw["workspace"], kw["workspace_bytes"]) == (workspace.ptr, 300)
 
 
 @pytest.mark.parametrize("max_q_len", [0, 17, None, 2.0])

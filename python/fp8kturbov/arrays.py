@@ -246,10 +246,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
     check_array(call["out"], "bfloat16", q_array.shape, f"{list(q_array.shape)} (as q)")
     check_writable(call["out"])
     append_args = _append_args(call, layout, num_rows, v_encoder)
-    scratch = call.get("workspace")
-    if scratch is not None:
-        check_array(scratch, None, (None,) * len(scratch.shape), "any shape")
-        check_writable(scratch)
+    scratch = _checked_workspace(call)
     with call.launching(cache):
         ops.paged_decode_attn(
             q=q_array.ptr, k_cache=cache.k_ptr, v_cache=cache.v_ptr, output=call["out"].ptr,
@@ -269,7 +266,7 @@ def paged_decode(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, *, ou
 
 def paged_prefill(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, query_start: Any, *, max_q_len: int,
                   out: Any = None, lse: Any = None, inv_sqrt_d: float | None = None, sliding_window: int = 0,
-                  sinks: Any = None, soft_cap: float = 0.0, stream: Any = None) -> Any:
+                  sinks: Any = None, soft_cap: float = 0.0, workspace: Any = None, stream: Any = None) -> Any:
     """Paged prefill attention over the cache (chunked prefill, long verify); returns ``out``.
 
     Each sequence's chunk, rows ``query_start[s] .. query_start[s+1]-1`` of ``q`` (bf16
@@ -282,13 +279,15 @@ def paged_prefill(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, quer
     num_q_heads]``, contiguous: each row's natural-log softmax denominator (``-inf`` for a row with
     no position), for merging with another attention. ``block_tables``, ``seq_lens``, ``out``,
     ``inv_sqrt_d``, ``sliding_window``, ``sinks``, ``soft_cap``, streams: as :func:`paged_decode`.
-    Tensor cores (compute capability 8.0 or newer); head_dim 64, 128 or 256.
+    ``workspace``: None, or any contiguous writable device array (its size in BYTES is passed) of the
+    size :meth:`KVCache.prefill_workspace` gives (the library's size query: 0 bytes in this version,
+    which splits no context). Tensor cores (compute capability 8.0 or newer); head_dim 64, 128 or 256.
     """
     layout = open_cache(cache).layout
     if out is None:
         out = _new_output(q)
     call = _Call.gather(stream, q=q, block_tables=block_tables, seq_lens=seq_lens, query_start=query_start,
-                        out=out, lse=lse, sinks=sinks)
+                        out=out, lse=lse, sinks=sinks, workspace=workspace)
     q_array, heads, dim = call["q"], layout.num_kv_heads, layout.head_dim
     check_array(q_array, "bfloat16", (None, None, dim), f"[num_query_rows, num_q_heads, {dim}]", dense_from=1)
     num_rows, num_q_heads = q_array.shape[:2]
@@ -306,6 +305,7 @@ def paged_prefill(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, quer
         check_writable(call["lse"])
     if call.get("sinks") is not None:
         check_array(call["sinks"], "float32", (num_q_heads,), f"[{num_q_heads}] (num_q_heads)")
+    scratch = _checked_workspace(call)
     with call.launching(cache):
         ops.paged_prefill_attn(
             q=q_array.ptr, k_cache=cache.k_ptr, v_cache=cache.v_ptr, output=call["out"].ptr,
@@ -317,8 +317,19 @@ def paged_prefill(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, quer
             k_scale=cache.k_scale, q_stride=row_stride(q_array, num_q_heads * dim), max_q_len=max_q_len,
             num_query_rows=num_rows, sliding_window=sliding_window,
             sinks=call["sinks"].ptr if call.get("sinks") is not None else 0, soft_cap=soft_cap,
+            workspace=scratch.ptr if scratch is not None else 0,
+            workspace_bytes=scratch.nbytes if scratch is not None else 0,
             v_rotation=cache.v_rotation, stream=call.stream, **cache._layout_args(), **cache._checked_args())
     return out
+
+
+def _checked_workspace(call: _Call) -> Any:
+    """The call's workspace array (any shape, contiguous, writable), or None."""
+    scratch = call.get("workspace")
+    if scratch is not None:
+        check_array(scratch, None, (None,) * len(scratch.shape), "any shape")
+        check_writable(scratch)
+    return scratch
 
 
 def _append_args(call: _Call, layout: CacheLayout, num_rows: int, v_encoder: VEncoder | str) -> dict[str, int]:

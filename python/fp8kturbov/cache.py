@@ -164,6 +164,19 @@ class KVCache:
                 k_scale=self.k_scale, max_q_len=max_q_len, **self._layout_args())
         return allocate(self.backend, (nbytes,), "uint8", self.device or 0)
 
+    def prefill_workspace(self, num_seqs: int, num_q_heads: int, max_blocks_per_seq: int, max_q_len: int,
+                          num_query_rows: int, sliding_window: int = 0) -> Any:
+        """Scratch for :func:`paged_prefill` with this shape: ``ops.paged_prefill_workspace_bytes``
+        BYTES of uninitialised memory from this cache's backend, as :meth:`decode_workspace` gives it
+        (empty in this version of the library, whose prefill splits no context)."""
+        layout = open_cache(self).layout
+        with _device.on_device(self.device):
+            nbytes = ops.paged_prefill_workspace_bytes(
+                max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
+                q_stride=num_q_heads * layout.head_dim, sliding_window=sliding_window, k_scale=self.k_scale,
+                max_q_len=max_q_len, num_query_rows=num_query_rows, **self._layout_args())
+        return allocate(self.backend, (nbytes,), "uint8", self.device or 0)
+
     def check_errors(self, stream: Any = None) -> None:
         """Raise :class:`~fp8kturbov.CacheIndexError` if the launches on this cache queued on
         ``stream`` so far met slots or block-table entries outside ``layout.num_blocks`` pages

@@ -230,18 +230,19 @@ def paged_prefill_attn(
 def paged_prefill_workspace_bytes(
     *, max_blocks_per_seq: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
     block_size: int, q_stride: int, v_bits: int, v_block_stride_bytes: int, v_data_section_bytes: int,
-    max_q_len: int, k_block_stride_bytes: int = 0, sliding_window: int = 0, inv_sqrt_d: float = 1.0,
-    k_scale: float = 1.0, soft_cap: float = 0.0, v_rotation: int = 0,
+    max_q_len: int, num_query_rows: int, k_block_stride_bytes: int = 0, sliding_window: int = 0,
+    inv_sqrt_d: float = 1.0, k_scale: float = 1.0, soft_cap: float = 0.0, v_rotation: int = 0,
 ) -> int:
-    """Workspace BYTES for :func:`paged_prefill_attn` with these scalars on the current device. A host
-    query: no synchronisation."""
+    """Workspace BYTES for :func:`paged_prefill_attn` with these scalars on the current device (0 in this
+    version of the library). A host query: no synchronisation."""
     params = _params(
         PrefillParams, "fp8kturbov_prefill_params_init_sized",
         max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, q_stride=q_stride,
         v_bits=v_bits, v_block_stride_bytes=v_block_stride_bytes, v_data_section_bytes=v_data_section_bytes,
-        max_q_len=max_q_len, k_block_stride_bytes=k_block_stride_bytes, sliding_window=sliding_window,
-        inv_sqrt_d=inv_sqrt_d, k_scale=k_scale, soft_cap=soft_cap, v_rotation=v_rotation)
+        max_q_len=max_q_len, num_query_rows=num_query_rows, k_block_stride_bytes=k_block_stride_bytes,
+        sliding_window=sliding_window, inv_sqrt_d=inv_sqrt_d, k_scale=k_scale, soft_cap=soft_cap,
+        v_rotation=v_rotation)
     result = ctypes.c_uint64()
     check(library().fp8kturbov_paged_prefill_workspace_bytes(ctypes.byref(params), ctypes.byref(result)))
     return result.value
