@@ -116,6 +116,11 @@ def test_cache_hook_reads_back_each_format() -> None:
         got_k, got_v = hook(1, k, v)
         np.testing.assert_array_equal(got_k, k_read)
         np.testing.assert_array_equal(got_v, want_v)
+    rounded = Q.cache_hook(Q.CacheFormat("turbo", 3, "matched_norm", v_rounding_factor=1.001), ref)
+    assert rounded is not None
+    f = np.float32(1.001)
+    want_v = R.decode_v(*R.encode_v((v * f).reshape(7, -1), 3), 3).reshape(v.shape) / f
+    np.testing.assert_array_equal(rounded(1, k, v)[1], want_v.astype(np.float32))
     scaled = Q.cache_hook(Q.CacheFormat("fp8_k", k_scale_factor=1.001), ref)
     assert scaled is not None
     s = ref.k_scales[1] * 1.001
@@ -161,10 +166,12 @@ def test_metrics_against_a_direct_computation() -> None:
 def test_standard_formats_cover_widths_encoders_rotation_and_control(head_dim: int) -> None:
     formats = Q.standard_formats(head_dim, bits=(2, 4))
     rotations = (False, True) if head_dim == 128 else (False,)
-    turbo = [(f.bits, f.encoder, f.rotation) for f in formats if f.v_format == "turbo"]
+    turbo = [(f.bits, f.encoder, f.rotation) for f in formats if f.v_format == "turbo" and f.v_rounding_factor == 1]
     assert turbo == [(b, e, r) for b in (2, 4) for e in R.V_ENCODERS for r in rotations]
     assert [f.name for f in formats[:3]] == ["fp8_k", "fp8_kv", "nvfp4_v"]
     assert [f.k_scale_factor for f in formats if f.k_scale_factor != 1] == list(Q.K_SCALE_CONTROLS)
+    rounding = [(f.bits, f.encoder, f.rotation, f.v_rounding_factor) for f in formats if f.v_rounding_factor != 1]
+    assert rounding == [(b, "matched_norm", False, f) for b in (2, 4) for f in Q.V_ROUNDING_CONTROLS]
     assert Q.CacheFormat("turbo", 4, "mse", layer_bits=(2, 3, 4)).v_bits_per_elem(3) == pytest.approx(3.5)
 
 
@@ -187,10 +194,20 @@ def test_in_loop_rows_on_the_standin_model(tmp_path: pathlib.Path) -> None:
     fp8_k = rows[0]
     controls = [r for r in rows if r["k_scale_factor"] != 1]
     assert floor["kl_mean"] == max(abs(r["kl_mean"] - fp8_k["kl_mean"]) for r in controls)
-    assert Q.noise_floor(rows[3:-2]) == {}  # no control rows: no floor (and the table says none)
-    assert "noise floor" not in Q.format_table(rows[3:-2], config)
+    scatter = Q.encoder_scatter(rows)
+    assert sorted(scatter) == [2, 4]
+    for bits in (2, 4):
+        base = next(r for r in rows if (r["bits"], r["encoder"], r["rotation"], r["v_rounding_factor"])
+                    == (bits, "matched_norm", False, 1.0))
+        rounded = [r for r in rows if r["bits"] == bits and r["v_rounding_factor"] != 1]
+        assert len(rounded) == 2
+        assert scatter[bits]["kl_mean"] == max(abs(r["kl_mean"] - base["kl_mean"]) for r in rounded)
+    plain = [r for r in rows if r["k_scale_factor"] == 1 and r["v_rounding_factor"] == 1]
+    assert Q.noise_floor(plain) == {} and Q.encoder_scatter(plain) == {}  # no control rows: none
+    assert "noise floor" not in Q.format_table(plain, config) and "scatter" not in Q.format_table(plain, config)
     table = Q.format_table(rows, config, 1.0)
     assert "noise floor" in table and "k_scale x1.001" in table and f"{len(rows)} rows" in table
+    assert "encoder scatter, 2 bits" in table and "matched_norm v x0.999" in table
     again = Q.run_in_loop(config, weights=model, formats=Q.standard_formats(128, (2,), config.encoders)[3:4])
     assert again[0]["kl_mean"] == rows[3]["kl_mean"]  # deterministic
 
@@ -206,7 +223,10 @@ def test_in_loop_command(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
     printed = capsys.readouterr().out
     payload = json.loads(out.read_text())
     assert payload["config"]["tokens"] == 64 and set(payload["noise_floor"]) >= {"kl_mean", "delta_ppl_pct"}
-    assert [r["v_format"] for r in payload["rows"]].count("turbo3v") == len(R.V_ENCODERS)
+    assert set(payload["encoder_scatter"]) == {"3"} and "kl_mean" in payload["encoder_scatter"]["3"]
+    turbo3v = [r for r in payload["rows"] if r["v_format"] == "turbo3v"]
+    assert [r["v_rounding_factor"] for r in turbo3v].count(1.0) == len(R.V_ENCODERS)
+    assert len(turbo3v) == len(R.V_ENCODERS) + len(Q.V_ROUNDING_CONTROLS)
     assert "noise floor" in printed and "turbo3v" in printed
     # a text shorter than asked for, a missing file, and --in-loop without --model: one line, status 2
     assert cli.main([*argv[:-4], "--model-tokens", "5000", "--bits", "3"]) == 2

@@ -41,6 +41,9 @@ public domain), reflowed into paragraphs; about 5,000 tokens."""
 DEFAULT_TOKENS = 2048
 K_SCALE_CONTROLS = (1.001, 0.999)
 """K-scale factors of the noise-floor control rows (V unquantised)."""
+V_ROUNDING_CONTROLS = (1.001, 0.999)
+"""Factors of the encoder-scatter control rows: V times the factor before the (matched-norm) encoder and
+divided by it after the decoder, which changes only which way the codes' and scale bytes' roundings fall."""
 QUERY_CHUNK = 256
 """Query positions per block of the causal attention and of the logits (bounds the memory)."""
 
@@ -57,6 +60,8 @@ class CacheFormat:
     ``"fp8_kv"``, ``"nvfp4_v"`` or ``"turbo"`` (this format: ``bits``, ``encoder``, ``rotation``).
     ``layer_bits``: per-layer V widths of a ``turbo`` run (``bits`` is then their largest), e.g. for the
     per-layer sensitivity. ``k_scale_factor``: multiplies each layer's K scale (the noise-floor control).
+    ``v_rounding_factor``: a ``turbo`` run's V is multiplied by it before the encoder and divided by it
+    after the decoder (the encoder-scatter control).
     """
 
     v_format: str
@@ -65,6 +70,7 @@ class CacheFormat:
     rotation: bool = False
     layer_bits: tuple[int, ...] | None = None
     k_scale_factor: float = 1.0
+    v_rounding_factor: float = 1.0
 
     @property
     def name(self) -> str:
@@ -81,11 +87,14 @@ class CacheFormat:
 def standard_formats(head_dim: int, bits: Sequence[int] = (2, 3, 4),
                      encoders: Sequence[str] = R.V_ENCODERS) -> list[CacheFormat]:
     """The report's runs: the peers, every width × encoder (× rotation where FORMAT.md §6 defines it for
-    ``head_dim``), then the noise-floor control."""
+    ``head_dim``), then the controls: the K-scale noise floor, and per width the encoder's rounding scatter
+    (matched-norm, without rotation)."""
     rotations = (False, True) if head_dim in R.ROTATION_DIMS else (False,)
     formats = [CacheFormat("fp8_k"), CacheFormat("fp8_kv"), CacheFormat("nvfp4_v")]
     formats += [CacheFormat("turbo", b, e, r) for b in bits for e in encoders for r in rotations]
-    return formats + [CacheFormat("fp8_k", k_scale_factor=f) for f in K_SCALE_CONTROLS]
+    formats += [CacheFormat("fp8_k", k_scale_factor=f) for f in K_SCALE_CONTROLS]
+    return formats + [CacheFormat("turbo", b, "matched_norm", v_rounding_factor=f)
+                      for b in bits for f in V_ROUNDING_CONTROLS]
 
 
 # ---- The forward with the cache in the loop -------------------------------------------------------
@@ -186,7 +195,10 @@ def cache_hook(fmt: CacheFormat, ref: Reference) -> CacheHook | None:
         if fmt.v_format == "nvfp4_v":
             return k_read, nvfp4_round_trip(v)
         bits = fmt.layer_bits[layer] if fmt.layer_bits else fmt.bits
-        return k_read, turbo_round_trip(v, bits, fmt.encoder, fmt.rotation).astype(np.float32)
+        f = np.float32(fmt.v_rounding_factor)
+        if f == 1:
+            return k_read, turbo_round_trip(v, bits, fmt.encoder, fmt.rotation).astype(np.float32)
+        return k_read, (turbo_round_trip(v * f, bits, fmt.encoder, fmt.rotation) / f).astype(np.float32)
 
     return read_back
 
@@ -221,7 +233,7 @@ def measure(weights: model_kv.LlamaWeights, ref: Reference, fmt: CacheFormat) ->
     hidden, _ = forward_hidden(weights, ref.token_ids, cache_hook(fmt, ref))
     row: dict[str, Any] = {"v_format": fmt.name, "bits": fmt.bits, "encoder": fmt.encoder, "rotation": fmt.rotation,
                            "layer_bits": list(fmt.layer_bits) if fmt.layer_bits else None,
-                           "k_scale_factor": fmt.k_scale_factor,
+                           "k_scale_factor": fmt.k_scale_factor, "v_rounding_factor": fmt.v_rounding_factor,
                            "v_bits_per_elem": fmt.v_bits_per_elem(len(weights.layers))}
     row.update(compare_runs(ref, next_token_log_probs(weights, hidden)))
     row["seconds"] = time.perf_counter() - start
@@ -274,19 +286,41 @@ def run_in_loop(config: InLoopConfig = InLoopConfig(), weights: model_kv.LlamaWe
     return [{"text": config.text_name, **measure(weights, ref, f)} for f in formats]
 
 
-def noise_floor(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """The largest change that the K-scale control makes to each metric against the ``fp8_k`` row."""
-    base = [r for r in rows if r["v_format"] == "fp8_k" and r["k_scale_factor"] == 1.0]
-    controls = [r for r in rows if r["k_scale_factor"] != 1.0]
+FLOOR_METRICS = ("delta_ppl_pct", "kl_mean", "kl_p99", "top1_agree")
+
+
+def _largest_changes(base: Sequence[dict[str, Any]], controls: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The largest change of each of `FLOOR_METRICS` from the base row (the first) to a control row; {}
+    without both."""
     if not (base and controls):
         return {}
-    return {m: max(abs(r[m] - base[0][m]) for r in controls)
-            for m in ("delta_ppl_pct", "kl_mean", "kl_p99", "top1_agree")}
+    return {m: max(abs(r[m] - base[0][m]) for r in controls) for m in FLOOR_METRICS}
+
+
+def noise_floor(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The largest change that the K-scale control makes to each metric against the ``fp8_k`` row."""
+    return _largest_changes([r for r in rows if r["v_format"] == "fp8_k" and r["k_scale_factor"] == 1.0],
+                            [r for r in rows if r["k_scale_factor"] != 1.0])
+
+
+def encoder_scatter(rows: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per V width, the largest change that the V-rounding control makes to each metric against that
+    width's matched-norm row (no rotation): how far rows of one width move by rounding alone."""
+    def plain(r: dict[str, Any], bits: int) -> bool:
+        return r["bits"] == bits and r["encoder"] == "matched_norm" and not r["rotation"] and not r["layer_bits"]
+
+    widths = sorted({r["bits"] for r in rows if r.get("v_rounding_factor", 1.0) != 1.0})
+    scatter = {b: _largest_changes([r for r in rows if plain(r, b) and r["v_rounding_factor"] == 1.0],
+                                   [r for r in rows if plain(r, b) and r["v_rounding_factor"] != 1.0])
+               for b in widths}
+    return {b: s for b, s in scatter.items() if s}
 
 
 def row_label(r: dict[str, Any]) -> str:
     if r["k_scale_factor"] != 1.0:
         return f"k_scale x{r['k_scale_factor']:g}"
+    if r.get("v_rounding_factor", 1.0) != 1.0:
+        return f"{r['encoder']} v x{r['v_rounding_factor']:g}"
     if r["layer_bits"]:
         return "per-layer " + "".join(map(str, r["layer_bits"]))
     return r["encoder"] or "-"
@@ -311,14 +345,20 @@ def format_table(rows: Sequence[dict[str, Any]], config: InLoopConfig, seconds: 
         lines.append(f"noise floor (K scale x{' / x'.join(f'{f:g}' for f in K_SCALE_CONTROLS)} against fp8_k): "
                      f"dPPL {floor['delta_ppl_pct']:.2f} points, KL mean {floor['kl_mean']:.4f}, "
                      f"KL p99 {floor['kl_p99']:.3f}, top-1 {100 * floor['top1_agree']:.2f} points")
+    for bits, scatter in encoder_scatter(rows).items():
+        lines.append(f"encoder scatter, {bits} bits (V x{' / x'.join(f'{f:g}' for f in V_ROUNDING_CONTROLS)} "
+                     f"against matched_norm): dPPL {scatter['delta_ppl_pct']:.2f} points, KL mean "
+                     f"{scatter['kl_mean']:.4f}, KL p99 {scatter['kl_p99']:.3f}, top-1 "
+                     f"{100 * scatter['top1_agree']:.2f} points")
     if seconds is not None:
         lines.append(f"{len(rows)} rows in {seconds:.1f} s")
     return "\n".join(lines)
 
 
 def write_json(path: str, rows: Sequence[dict[str, Any]], config: InLoopConfig) -> None:
-    """``{"config", "noise_floor", "rows"}`` as JSON at ``path``."""
-    payload = {"config": dataclasses.asdict(config), "noise_floor": noise_floor(rows), "rows": list(rows)}
+    """``{"config", "noise_floor", "encoder_scatter", "rows"}`` as JSON at ``path``."""
+    payload = {"config": dataclasses.asdict(config), "noise_floor": noise_floor(rows),
+               "encoder_scatter": {str(b): s for b, s in encoder_scatter(rows).items()}, "rows": list(rows)}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)
         f.write("\n")
