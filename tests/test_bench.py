@@ -87,7 +87,7 @@ def test_default_config_is_the_issue_table():
     ({"iters": 0}, "iters = 0"),
     ({"sets": 0}, "sets = 0"),
     ({"warmup": -1}, "warmup"),
-    ({"ops": ("prefill",)}, "op 'prefill'"),
+    ({"ops": ("verify",)}, "op 'verify'"),
     ({"sparse_v_threshold": -1.0}, "sparse_v_threshold"),
     ({"v_encoder": "MSE"}, "v_encoder 'MSE'"),
     ({"v_rotation": "HADAMARD"}, "v_rotation 'HADAMARD'"),
@@ -955,7 +955,7 @@ def test_cli_options_become_a_config():
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--shapes", "8x"], "argument --shapes"),
     (["bench", "--bits", "3,x"], "argument --bits"),
-    (["bench", "--op", "prefill"], "argument --op"),
+    (["bench", "--op", "verify"], "argument --op"),
     (["bench", "--q-len", "0"], "argument --q-len: '0' is not a positive integer"),
     (["bench", "--q-len", "17"], "argument --q-len: '17' is more than 16 query tokens per sequence"),
     (["bench", "--ceiling-mib", "0"], "argument --ceiling-mib: '0' is not a positive integer"),

@@ -331,7 +331,7 @@ def test_format_has_the_table_the_unmatched_rows_the_machine_and_the_summary(fil
                             "  launch empty-kernel graph: 2.50 -> 3.00 us (+20.0 %)"]
     mean = math.sqrt(1.1 * 0.95)
     assert lines[16:] == [f"worst slowdown: +10.0 % (decode 3b D128 1x32768); geometric-mean ratio "
-                          f"candidate/baseline over 2 decode/write rows: {mean:.4f} "
+                          f"candidate/baseline over 2 decode/write/prefill rows: {mean:.4f} "
                           f"({100 * (mean - 1):+.1f} %)"]
 
 
@@ -343,7 +343,7 @@ def test_format_shows_the_warnings_and_a_summary_without_matches(tmp_path):
     lines = compare.format_comparison(compare.compare_files(baseline, candidate)).splitlines()
     assert lines[2:4] == ["warning: the devices differ (name Test GPU vs Other GPU): the times may "
                           "not be comparable", "warning: the configs differ (sinks False vs True)"]
-    assert lines[-1] == "no decode or write row was measured in both files"
+    assert lines[-1] == "no decode, write or prefill row was measured in both files"
 
 
 # ---- Command line ----------------------------------------------------------------------------------
@@ -362,7 +362,7 @@ def test_cli_fails_on_a_slowdown_over_the_limit(files, capsys):
         "FAIL: 1 decode/write row(s) slower by more than 5 %: decode 3b D128 1x32768 (+10.0 %)")
     assert main(["compare", *files, "--max-slowdown", "10.5"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "PASS: no decode or write row is slower by more than 10.5 %")
+        "PASS: no decode, write or prefill row is slower by more than 10.5 %")
 
 
 def test_format_of_rounds_has_their_files_and_changes(round_files):

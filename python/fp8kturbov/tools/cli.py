@@ -25,8 +25,8 @@ from fp8kturbov._limits import DEFAULT_SPARSE_V_THRESHOLD
 
 from . import compare, demo, info, model_kv, quality, quality_in_loop
 from . import generate, perplexity  # torch and transformers are imported when they run
-from .bench.config import (APPENDS, LENGTHS, MAX_Q_LEN, MAX_SEED, OPS, V_ENCODER_NAMES, V_ROTATION_NAMES, Config,
-                           parse_appends, parse_q_len, parse_seed,
+from .bench.config import (APPENDS, BANDWIDTH_OPS, DEFAULT_PREFILL_SHAPES, LENGTHS, MAX_Q_LEN, MAX_SEED, OPS,
+                           V_ENCODER_NAMES, V_ROTATION_NAMES, Config, parse_appends, parse_q_len, parse_seed,
                            parse_shapes)
 from .arguments import COUNT, COUNT_OR_ZERO, COUNTS, typed
 from .console import MiB
@@ -66,11 +66,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench``; the defaults are `fp8kturbov.tools.Config`'s."""
     d = Config()
     join = ",".join
-    parser.add_argument("--op", choices=("decode", "write", "all"), default="all",
-                        help="which operation to time (default: all)")
-    parser.add_argument("--shapes", type=typed(parse_shapes), default=d.shapes,
-                        metavar="BxL,...", help="decode shapes, batch x context tokens; a 'k' "
-                        f"suffix means x1024 (default: {_shapes_text(d.shapes)})")
+    parser.add_argument("--op", choices=(*OPS, "all"), default="all",
+                        help=f"which operation to time; all: {' and '.join(BANDWIDTH_OPS)} (the prefill, "
+                        "long and compute-bound, runs only when named) (default: all)")
+    parser.add_argument("--shapes", type=typed(parse_shapes), default=None,
+                        metavar="BxL,...", help="decode and prefill shapes, batch x context tokens; a 'k' "
+                        f"suffix means x1024 (default: {_shapes_text(d.shapes)}; with --op prefill: "
+                        f"{_shapes_text(DEFAULT_PREFILL_SHAPES)})")
+    parser.add_argument("--chunks", type=COUNTS, default=d.chunks, metavar="N,...",
+                        help="prefill chunks, query tokens per sequence: the last N of each shape's L "
+                        f"context tokens, N <= L (default: {join(map(str, d.chunks))})")
     parser.add_argument("--tokens", type=COUNTS, default=d.tokens, metavar="N,...",
                         help=f"write shapes, token rows per launch (default: {join(map(str, d.tokens))})")
     parser.add_argument("--bits", type=COUNTS, default=d.bits, metavar="B,...",
@@ -121,7 +126,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --table-positions, pass the rows whole (max_blocks_per_seq = N / "
                         "block size): the plan is then sized for N positions, not for L")
     parser.add_argument("--no-peers", action="store_true",
-                        help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers")
+                        help="skip the BF16 (torch SDPA) and FP8 (flashinfer) decode peers and the "
+                        "prefill's flashinfer peers")
     parser.add_argument("--power-window", type=float, metavar="SECONDS", default=d.power_window_s,
                         help="after each row's timing (and each peer's), run its launches back to back "
                         "for about SECONDS more and report the board's mean power and the energy per "
@@ -138,9 +144,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The `fp8kturbov.tools.Config` of parsed ``bench`` options (raises ValueError)."""
+    """The `fp8kturbov.tools.Config` of parsed ``bench`` options (raises ValueError). Without
+    ``--shapes``, the `Config`'s default for the op (a prefill's contexts hold every default chunk)."""
     return Config(
-        ops=OPS if args.op == "all" else (args.op,), shapes=args.shapes, tokens=args.tokens,
+        ops=BANDWIDTH_OPS if args.op == "all" else (args.op,), shapes=args.shapes, tokens=args.tokens,
+        chunks=args.chunks,
         bits=args.bits, head_dims=args.head_dim, num_q_heads=args.q_heads,
         num_kv_heads=args.kv_heads, block_size=args.block_size, iters=args.iters,
         warmup=args.warmup, sets=args.sets, sparse_v_threshold=args.sparse_v_threshold,
@@ -193,7 +201,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     """``compare``: print `fp8kturbov.tools.compare.format_comparison` of the two files (and of the
     further rounds' pairs, combined: `fp8kturbov.tools.compare.compare_runs`); with ``--max-slowdown``,
-    the verdict too, and exit status 1 where a decode or write row is slower than the baseline by
+    the verdict too, and exit status 1 where a decode, write or prefill row is slower than the baseline by
     more than that (over several rounds, by the medians) or has a time in one file only. Exit
     status 2 where a file is not a bench JSON (the exit statuses: `fp8kturbov.tools.compare`)."""
     try:
@@ -221,7 +229,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         "is then the median over the rounds, each change that of the medians, and "
                         "every round's change is listed too")
     parser.add_argument("--max-slowdown", type=typed(compare.parse_percent), metavar="PCT",
-                        help="exit with status 1 where a decode or write row is more than PCT %% "
+                        help="exit with status 1 where a decode, write or prefill row is more than PCT %% "
                         "slower than in the baseline (over several rounds: its median), or was "
                         "measured in one file and skipped in the other (default: no limit, status 0)")
 
@@ -404,7 +412,8 @@ COMMANDS: tuple[tuple[str, str, str, Callable[[argparse.ArgumentParser], None] |
     ("bench", "time decode and write against the memory roofline",
      "Time the paged decode and the cache write with CUDA-graph replays, against "
      "the device's read bandwidth and launch floor (an empty kernel) measured in the same run, "
-     "with a BF16 (torch SDPA) and an FP8 (flashinfer) decode peer where importable.",
+     "with a BF16 (torch SDPA) and an FP8 (flashinfer) decode peer where importable; with --op "
+     "prefill, the paged prefill against flashinfer's BF16 prefill alone and after a dequantize.",
      add_bench_arguments, run_bench),
     ("compare", "compare two 'bench --json' files row by row",
      "Match the rows of two files written by 'bench --json' (e.g. a build of main "

@@ -29,7 +29,7 @@ regression gate:
   type (`ROW_FIELDS`, the device's and the config's values). A time is null (the row was
   skipped) or a finite number of µs > 0: NaN, inf, 0 or a negative time is no measurement the
   bench writes, so such a file is refused, with or without the gate.
-- 1: the gate fails (``FAIL: ...`` on stdout, naming each row): a decode or write row of both files
+- 1: the gate fails (``FAIL: ...`` on stdout, naming each row): a decode, write or prefill row of both files
   is slower by more than PCT %, or one file measured it and the other skipped it, so that its
   change is unknown (`unjudged_rows`). Rows skipped in both files, and rows of one file only
   (the runs chose other cases), are listed but do not fail it.
@@ -63,7 +63,7 @@ LATER_DECODE_FIELDS = {"q_len": 1, "lengths": "equal", "table_positions": 0, "wh
                        "append": "none"}
 #: Config fields that only choose which cases run: not warned about, as a case of one file only
 #: is listed as such.
-CASE_SELECTION = ("ops", "shapes", "tokens", "bits", "head_dims", "appends")
+CASE_SELECTION = ("ops", "shapes", "tokens", "chunks", "bits", "head_dims", "appends")
 #: The config fields whose difference is a warning.
 COMPARED_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in CASE_SELECTION)
 #: Device fields that must agree for the times to be comparable: the GPU, and the timing gate
@@ -125,7 +125,7 @@ class RowComparison:
 
     @property
     def is_case(self) -> bool:
-        """A decode or write row; not the ceiling's read or copy or the launch floor (the machine's)."""
+        """A decode, write or prefill row; not the ceiling's read or copy or the launch floor (the machine's)."""
         return self.op in OPS
 
     @property
@@ -304,14 +304,17 @@ def _power_cap(row: dict[str, Any] | None) -> float | None:
 
 
 def shape_text(row: dict[str, Any]) -> str:
-    """The bench's shape text of ``row``, followed for a decode row by what else it measures
+    """The bench's shape text of ``row``, followed for a prefill row by its chunk (`` chunk <N>``,
+    N query tokens per sequence), for a decode row by what else it measures
     where that is not the default: `` q<N>`` for N > 1 query tokens per sequence, `` ramp`` for
     sequences of mixed lengths, `` rows <N>`` (`` rows <N> whole``) for block-table rows of N
     positions passed as a column slice (whole), `` +fused`` / `` +write`` for a step that appends
     its new tokens first."""
     fields = dict(zip(ROW_IDENTITY, row_identity(row)))
     parts = [row["shape"]]
-    if (fields["q_len"] or 1) > 1:
+    if row["op"] == "prefill":
+        parts.append(f"chunk {fields['q_len']}")
+    elif (fields["q_len"] or 1) > 1:
         parts.append(f"q{fields['q_len']}")
     if fields["lengths"] not in (None, "equal"):
         parts.append(fields["lengths"])
@@ -463,7 +466,7 @@ def summary_line(records: Iterable[RowComparison]) -> str:
     decode and write rows measured in both files."""
     measured = [r for r in records if r.is_case and r.ratio is not None]
     if not measured:
-        return "no decode or write row was measured in both files"
+        return "no decode, write or prefill row was measured in both files"
     worst = max(measured, key=lambda r: r.ratio)
     # From the times' logs: the ratio of two extreme times can underflow to 0, which
     # statistics.geometric_mean refuses.
@@ -473,7 +476,7 @@ def summary_line(records: Iterable[RowComparison]) -> str:
     except OverflowError:  # a mean ratio beyond the floats
         mean = math.inf
     return (f"worst slowdown: {_signed(worst.change_pct)} % ({worst.describe()}); geometric-mean "
-            f"ratio candidate/baseline over {len(measured)} decode/write rows: {mean:.4f} "
+            f"ratio candidate/baseline over {len(measured)} decode/write/prefill rows: {mean:.4f} "
             f"({_signed(100.0 * (mean - 1.0))} %)")
 
 
@@ -523,7 +526,7 @@ def verdict_line(slower: Sequence[RowComparison], unjudged: Sequence[RowComparis
     (`unjudged_rows`), else ``FAIL: ...`` naming each, with its change, % (or why it has none)."""
     limit = f"{max_slowdown_pct:g} %"
     if not slower and not unjudged:
-        return f"PASS: no decode or write row is slower by more than {limit}"
+        return f"PASS: no decode, write or prefill row is slower by more than {limit}"
     failures = []
     if slower:
         named = ", ".join(f"{r.describe()} ({_signed(r.change_pct)} %)" for r in slower)

@@ -1,4 +1,5 @@
-"""Benchmark harness: paged decode and cache write against the device's memory roofline.
+"""Benchmark harness: paged decode and cache write against the device's memory roofline, and the
+paged prefill against flashinfer's BF16 prefill.
 
 Run it as ``python -m fp8kturbov bench`` (``--help`` lists the options) or call
 `run.run_benchmarks`. Everything is measured in one process on one GPU, through cuda.bindings
@@ -7,7 +8,8 @@ The driver calls and `Device` live in `fp8kturbov._device`.
 
 Modules: `config` (what to run: `Config`, the cases, their bytes), `launches` (the library's
 launches of a case), `timing` (CUDA-graph replays, medians, the read kernel's plain read), `power`
-(NVML's clock limits and board power around a timing), `peers` (torch SDPA and flashinfer),
+(NVML's clock limits and board power around a timing), `peers` (the decode's: torch SDPA and
+flashinfer), `prefill_peers` (the prefill's: flashinfer's BF16 prefill, alone and after a dequantize),
 `rows` (the result rows and the JSON document), `report` (text, plot, the run's context), `run`
 (the run tied together); `kernels` and `nvml` load the harness's own kernels and NVML.
 
@@ -31,7 +33,15 @@ What is measured
 * **in-graph time** (``in_graph_us``, also of the launch floor): one CUDA graph of 32 launches
   back to back, rotating the input sets, replayed; its time divided by 32. That is what a launch
   costs inside an engine's captured decode step: a graph node, without a graph launch of its own.
-* **peers** (decode only, shared by the rows of one shape whatever the V bits): torch's
+* **prefill** (``--op prefill``, only when named: its long rows are no part of ``all``): one
+  ``paged_prefill_attn`` per CUDA graph, the chunk of ``q_len`` (``--chunks``) query tokens per
+  sequence the last positions of its context, which the pools hold before the timing; timed as the
+  decode (and its in-graph time), with ``flops`` and ``tflops`` (4 · q_heads · head_dim per
+  (token, attended position), the causal triangle exact). Its peers (`prefill_peers`): flashinfer's
+  causal paged prefill over a BF16 cache of as many tokens, alone and after the library's dequantize
+  of the context into it (in one graph), each the faster of the FA2 and FA3 backends
+  (``vs_bf16_prefill``, ``vs_round_trip``: their time over the row's).
+* **peers** (decode, shared by the rows of one shape whatever the V bits): torch's
   ``scaled_dot_product_attention`` over contiguous BF16 K/V (``bf16_sdpa``); the straightforward
   FP8 cache decode in torch, contiguous FP8 E4M3 K/V cast to BF16 in each decode and then the same
   SDPA (``fp8_sdpa``); and flashinfer's paged decode over an FP8 E4M3 cache (``fp8_flashinfer``).

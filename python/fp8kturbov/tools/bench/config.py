@@ -1,6 +1,6 @@
 """What a benchmark run measures: the `Config` (with the command line's parsers of its values),
-the cases it expands to (`Shape`, `build_cases`) and the bytes each case must move (all in bytes;
-bandwidths in GB/s of 1e9 bytes)."""
+the cases it expands to (`Shape`, `build_cases`), the bytes each case must move (all in bytes;
+bandwidths in GB/s of 1e9 bytes) and a prefill's floating-point operations (`prefill_flops`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,17 @@ from .kernels import READ_ALIGNMENT
 DEFAULT_DECODE_SHAPES: tuple[tuple[int, int], ...] = (
     (1, 32768), (1, 131072), (8, 8192), (32, 8192), (128, 2048), (32, 32768), (1, 1024), (8, 4096))
 DEFAULT_WRITE_TOKENS: tuple[int, ...] = (1, 16, 128, 32768)
-OPS = ("decode", "write")
+#: The prefill's shapes where none are given: every `DEFAULT_PREFILL_CHUNKS` fits their contexts.
+DEFAULT_PREFILL_SHAPES: tuple[tuple[int, int], ...] = ((1, 8192), (1, 32768), (8, 8192))
+#: The prefill's chunks: query tokens per sequence, the last of each sequence's context.
+DEFAULT_PREFILL_CHUNKS: tuple[int, ...] = (16, 128, 512, 2048, 8192)
+#: The head dims the prefill computes (docs/api.md, "Paged prefill"; others are NOT_SUPPORTED).
+PREFILL_HEAD_DIMS = (64, 128, 256)
+#: The memory-bound ops, judged against the read ceiling (the roofline table and plot): what a run
+#: times unless told otherwise (``--op all``).
+BANDWIDTH_OPS = ("decode", "write")
+#: Every op, in run order. The prefill, mostly compute-bound and long, runs only when named.
+OPS = (*BANDWIDTH_OPS, "prefill")
 #: How the decode's sequences of a shape ``BxC`` are long: all ``C`` tokens ("equal"), or
 #: sequence ``i`` of ``B`` holding ``ceil(C * (i + 1) / B)`` ("ramp": up to ``C``, about half of
 #: the tokens, a batch of mixed lengths such as continuous batching makes).
@@ -146,9 +156,12 @@ def sequence_lengths(batch: int, context: int, lengths: str) -> np.ndarray:
 class Config:
     """What to run. Counts are elements/tokens/sequences; ``ceiling_bytes`` is bytes."""
 
-    ops: tuple[str, ...] = OPS
-    shapes: tuple[tuple[int, int], ...] = DEFAULT_DECODE_SHAPES  # decode: (batch, context tokens)
+    ops: tuple[str, ...] = BANDWIDTH_OPS
+    # decode, prefill: (batch, context tokens). None (replaced as the Config is made): its ops' default,
+    # `DEFAULT_PREFILL_SHAPES` for a run of the prefill without the decode, else `DEFAULT_DECODE_SHAPES`
+    shapes: tuple[tuple[int, int], ...] | None = None
     tokens: tuple[int, ...] = DEFAULT_WRITE_TOKENS  # write: token rows per launch
+    chunks: tuple[int, ...] = DEFAULT_PREFILL_CHUNKS  # prefill: query tokens per sequence (each <= context)
     bits: tuple[int, ...] = V_BITS
     head_dims: tuple[int, ...] = (128,)
     num_q_heads: int = 32
@@ -160,21 +173,24 @@ class Config:
     sparse_v_threshold: float = DEFAULT_SPARSE_V_THRESHOLD
     checked: bool = False  # checked mode (pool capacity and an error word) on every launch
     v_encoder: str = "matched_norm"  # the write's V encoder (a lower-case VEncoder name)
-    soft_cap: float = 0.0  # decode logit soft-capping, 0 = off
-    sinks: bool = False  # decode with attention sinks (zero logits)
-    v_rotation: str = "none"  # write and decode with this V rotation (a lower-case VRotation name)
+    soft_cap: float = 0.0  # decode and prefill logit soft-capping, 0 = off
+    sinks: bool = False  # decode and prefill with attention sinks (zero logits)
+    v_rotation: str = "none"  # write, decode and prefill with this V rotation (a lower-case VRotation name)
     q_len: int = 1  # decode: query tokens per sequence (1: no query_start, the one-token decode)
     lengths: str = "equal"  # decode: one of LENGTHS
     appends: tuple[str, ...] = ("none",)  # decode: a row per APPENDS entry (the step's new tokens)
     table_positions: int = 0  # decode: block-table row width in positions; 0 = each shape's context
     whole_table_rows: bool = False  # decode: plan for the row width (else pass the pages, stride = width)
-    peers: bool = True  # not run with q_len > 1: they decode one query token per sequence
+    peers: bool = True  # the prefill's, and the decode's (not with q_len > 1: they decode one query token)
     ceiling_bytes: int = 2 * GiB  # read by the ceiling's kernel, and copied by the copy
     chunk_tokens: int = 2048  # token rows the NumPy reference encodes, replicated through the pools
     seed: int = 0
     power_window_s: float = 0.0  # seconds of back-to-back launches per row for its mean power; 0 = off
 
     def __post_init__(self) -> None:
+        if self.shapes is None:
+            prefill_only = "prefill" in self.ops and "decode" not in self.ops
+            object.__setattr__(self, "shapes", DEFAULT_PREFILL_SHAPES if prefill_only else DEFAULT_DECODE_SHAPES)
         problems = [f"op {op!r} is not one of {OPS}" for op in self.ops if op not in OPS]
         problems += [f"V bits {b} is not one of {V_BITS}" for b in self.bits if b not in V_BITS]
         problems += [f"head_dim {d} is not a positive multiple of 16"
@@ -218,6 +234,14 @@ class Config:
             problems += [f"table_positions = {self.table_positions} is shorter than the context of "
                          f"decode shape {batch}x{context}" for batch, context in self.shapes
                          if context > self.table_positions]
+        if "prefill" in self.ops:
+            problems += [f"the prefill needs a head_dim in {PREFILL_HEAD_DIMS}, not {d}"
+                         for d in self.head_dims if d not in PREFILL_HEAD_DIMS]
+            problems += [f"chunk {chunk} must be >= 1" for chunk in self.chunks if chunk < 1]
+            problems += [f"chunk {chunk} is longer than the context of prefill shape {batch}x{context}"
+                         for batch, context in self.shapes for chunk in self.chunks if chunk > context]
+            if not self.chunks:
+                problems.append("chunks is empty: give at least one chunk length")
         if self.whole_table_rows and not self.table_positions:
             problems.append("whole_table_rows needs table_positions")
         if problems:
@@ -233,6 +257,8 @@ class Shape:
     ``query_start``), each sequence on ``blocks_per_seq`` pages of its own; its block-table rows
     are ``table_blocks`` pages wide, of which the launch plans for `planned_blocks`; ``append``
     (`APPENDS`) says how the step writes each query row's new token first.
+    ``op == "prefill"``: as a decode of equal lengths in compact tables, whose ``q_len`` query
+    tokens per sequence (its chunk, up to ``context``) always pass through ``query_start``.
     ``op == "write"``: ``batch`` token rows written, ``context == 0``, ``q_len == 1``, and the
     decode's fields at their defaults.
     """
@@ -253,7 +279,7 @@ class Shape:
 
     @property
     def label(self) -> str:
-        return f"{self.batch}x{self.context}" if self.op == "decode" else f"{self.batch} tok"
+        return f"{self.batch} tok" if self.op == "write" else f"{self.batch}x{self.context}"
 
     @property
     def row_elems(self) -> int:
@@ -300,34 +326,35 @@ class Shape:
 
     @property
     def num_blocks(self) -> int:
-        """Pages of one input set's pools: every sequence's own pages (decode), or just enough
-        slots for the rows written (write)."""
-        if self.op == "decode":
+        """Pages of one input set's pools: every sequence's own pages (decode, prefill), or just
+        enough slots for the rows written (write)."""
+        if self.op != "write":
             return self.batch * self.blocks_per_seq
         return -(-self.batch // self.block_size)
 
     @property
     def query_rows(self) -> int:
-        """Rows of q and of the output (decode): ``batch * q_len``."""
+        """Rows of q and of the output (decode, prefill): ``batch * q_len``."""
         return self.batch * self.q_len
 
     @property
     def q_elems(self) -> int:
-        """Elements of q, and of the output (decode): ``query_rows * num_q_heads * head_dim``."""
+        """Elements of q, and of the output (decode, prefill): ``query_rows * num_q_heads * head_dim``."""
         return self.query_rows * self.num_q_heads * self.head_dim
 
     @property
     def query_start(self) -> np.ndarray | None:
-        """The decode's int32 ``query_start`` ``[batch + 1]`` (``q_len`` rows per sequence), or
-        None for ``q_len == 1``, which passes none (one query row per sequence)."""
-        if self.q_len == 1:
+        """The int32 ``query_start`` ``[batch + 1]`` (``q_len`` rows per sequence), or None for a
+        decode of ``q_len == 1``, which passes none (one query row per sequence); the prefill
+        always passes one."""
+        if self.q_len == 1 and self.op != "prefill":
             return None
         return np.arange(self.batch + 1, dtype=np.int32) * self.q_len
 
     @property
     def query_start_bytes(self) -> int:
         """Bytes of `query_start` (int32), 0 where there is none."""
-        return 0 if self.q_len == 1 else (self.batch + 1) * 4
+        return 0 if self.query_start is None else (self.batch + 1) * 4
 
     @property
     def appended_tokens(self) -> int:
@@ -336,28 +363,31 @@ class Shape:
 
     def describe(self) -> str:
         step = "" if self.append == "none" else f" +{self.append} append"
-        return f"{self.op} {self.bits}b D{self.head_dim} {self.label}{step}"
+        chunk = f" chunk {self.q_len}" if self.op == "prefill" else ""
+        return f"{self.op} {self.bits}b D{self.head_dim} {self.label}{chunk}{step}"
 
 
 def build_cases(config: Config) -> list[Shape]:
-    """The cases of ``config`` in run order: decode then write; the bits of one shape adjacent,
-    so that the peers (which ignore the bits) run once per shape."""
+    """The cases of ``config`` in run order: decode, write, then prefill (a case per chunk of each
+    shape); the bits of one shape (and chunk) adjacent, so that the peers (which ignore the bits)
+    run once per shape."""
     heads = (config.num_q_heads, config.num_kv_heads, config.block_size)
-    sizes = {"decode": config.shapes, "write": [(tokens, 0) for tokens in config.tokens]}
-    decode_fields = {"decode": dict(q_len=config.q_len, lengths=config.lengths,
-                                    table_positions=config.table_positions,
-                                    whole_table_rows=config.whole_table_rows),
-                     "write": {}}
-    appends = {"decode": config.appends, "write": ("none",)}
-    return [Shape(op, bits, batch, context, head_dim, *heads, **decode_fields[op], append=append)
+    sizes = {"decode": config.shapes, "write": [(tokens, 0) for tokens in config.tokens],
+             "prefill": config.shapes}
+    fields = {"decode": [dict(q_len=config.q_len, lengths=config.lengths, table_positions=config.table_positions,
+                              whole_table_rows=config.whole_table_rows)],
+              "write": [{}], "prefill": [dict(q_len=chunk) for chunk in config.chunks]}
+    appends = {"decode": config.appends, "write": ("none",), "prefill": ("none",)}
+    return [Shape(op, bits, batch, context, head_dim, *heads, **shape_fields, append=append)
             for op in OPS if op in config.ops
             for head_dim in config.head_dims
             for batch, context in sizes[op]
+            for shape_fields in fields[op]
             for bits in config.bits
             for append in appends[op]]
 
 
-# ---- Byte counts (all in bytes) ----------------------------------------------------------------
+# ---- Byte and operation counts (bytes; a prefill's FLOPs) -----------------------------------------
 
 
 def cache_bytes_per_token(shape: Shape) -> int:
@@ -374,10 +404,12 @@ def launch_bytes(shape: Shape) -> int:
     of a sequence attend its positions together), q read and the output written (bf16,
     ``q_len`` rows per sequence), the used block-table entries and seq_lens (int32),
     ``query_start`` (int32) where ``q_len > 1``, and the appended tokens' write
-    (`Shape.appended_tokens`). write: the bf16 K and V rows read, their cache bytes written, and
-    the int64 slot mapping.
+    (`Shape.appended_tokens`). prefill: the same for its chunk of ``q_len`` rows per sequence
+    (the cache bytes of the whole context once, though its CTAs read them once per tile of query
+    rows; ``query_start`` always). write: the bf16 K and V rows read, their cache bytes written,
+    and the int64 slot mapping.
     """
-    if shape.op == "decode":
+    if shape.op != "write":
         tables = (shape.used_blocks + shape.batch) * 4
         return (shape.attended_tokens * cache_bytes_per_token(shape)
                 + 2 * shape.q_elems * BF16_BYTES + tables + shape.query_start_bytes
@@ -392,8 +424,8 @@ def written_bytes(shape: Shape, tokens: int) -> int:
 
 
 def peer_bytes(shape: Shape, kv_element_bytes: int) -> int:
-    """Bytes a dense-cache peer must move for a decode shape: K and V of ``kv_element_bytes``
-    per element for every attended token, plus q and the output (bf16)."""
+    """Bytes a dense-cache peer must move for a decode (or prefill) shape: K and V of
+    ``kv_element_bytes`` per element for every attended token, plus q and the output (bf16)."""
     kv = 2 * shape.attended_tokens * shape.row_elems * kv_element_bytes
     return kv + 2 * shape.q_elems * BF16_BYTES
 
@@ -402,12 +434,22 @@ def device_bytes(shape: Shape, sets: int) -> int:
     """Device memory one case allocates for ``sets`` input sets: the pools plus the inputs."""
     pool_slots = shape.num_blocks * shape.block_size
     pools = pool_slots * cache_bytes_per_token(shape)
-    if shape.op == "decode":
+    if shape.op != "write":
         per_set = (pools + 2 * shape.q_elems * BF16_BYTES + shape.batch * (shape.table_blocks + 1) * 4
                    + shape.query_start_bytes + shape.appended_tokens * (2 * shape.row_elems * BF16_BYTES + 8))
     else:
         per_set = pools + shape.batch * (2 * shape.row_elems * BF16_BYTES + 8)
     return sets * per_set
+
+
+def prefill_flops(shape: Shape) -> int:
+    """Floating-point operations of a prefill: ``4 * num_q_heads * head_dim`` per (query token,
+    attended position) pair (``Q·Kᵀ`` and ``P·V``, a multiply and an add each), the pairs counted
+    exactly over the causal triangle: token ``i`` of a chunk of ``q_len`` attends the first
+    ``seq_len - q_len + i + 1`` positions."""
+    seq_lens, q_len = shape.seq_lens.astype(np.int64), shape.q_len
+    pairs = int((q_len * (seq_lens - q_len) + q_len * (q_len + 1) // 2).sum())
+    return 4 * shape.num_q_heads * shape.head_dim * pairs
 
 
 def gbps(nbytes: float, time_us: float) -> float:

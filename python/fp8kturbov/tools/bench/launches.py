@@ -1,6 +1,7 @@
 """The library's launches of one case: cache pages encoded by the NumPy reference and replicated
 through device pools (`encode_chunk`, `replicate`), one input set's buffers and arguments, and the
-decode and write calls (`decode_enqueues`, `write_enqueues`: one launch per input set)."""
+decode, prefill and write calls (`decode_enqueues`, `prefill_enqueues`, `write_enqueues`: one
+launch per input set)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fp8kturbov import (CacheLayout, VEncoder, VRotation, paged_decode_attn, paged_decode_workspace_bytes,
-                        reshape_and_cache)
+                        paged_prefill_attn, paged_prefill_workspace_bytes, reshape_and_cache)
 from fp8kturbov._device import BenchError, Device, first_line
 
 from .config import BF16_BYTES, Config, Shape
@@ -74,14 +75,15 @@ def replicate(dev: Device, dst: int, nbytes: int, pattern: np.ndarray) -> None:
         filled += step
 
 
-def _layout(shape: Shape) -> CacheLayout:
+def case_layout(shape: Shape) -> CacheLayout:
+    """The page layout of one input set's pools (`Shape.num_blocks` pages)."""
     return CacheLayout(shape.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim,
                        shape.bits)
 
 
 @dataclass(frozen=True)
 class DecodeBuffers:
-    """Device addresses of one decode input set."""
+    """Device addresses of one decode (or prefill) input set."""
 
     q: int
     k_cache: int
@@ -104,8 +106,8 @@ class WriteBuffers:
     slot_mapping: int
 
 
-def _page_strides(layout: CacheLayout) -> dict[str, int]:
-    """The page-layout arguments (bytes) that both library calls take."""
+def page_strides(layout: CacheLayout) -> dict[str, int]:
+    """The page-layout arguments (bytes) that every library call takes."""
     return {"k_block_stride_bytes": layout.k_block_stride_bytes,
             "v_block_stride_bytes": layout.v_block_stride_bytes,
             "v_data_section_bytes": layout.v_data_section_bytes}
@@ -121,12 +123,21 @@ def decode_scalars(shape: Shape, layout: CacheLayout, k_scale: float,
                 inv_sqrt_d=shape.head_dim ** -0.5, k_scale=k_scale,
                 q_stride=shape.num_q_heads * shape.head_dim, v_bits=shape.bits,
                 sparse_v_threshold=sparse_v_threshold, max_q_len=shape.q_len,
-                **_page_strides(layout))
+                **page_strides(layout))
+
+
+def prefill_scalars(shape: Shape, layout: CacheLayout, k_scale: float) -> dict[str, Any]:
+    """The prefill's scalar arguments: the decode's (`decode_scalars`, ``max_q_len`` the chunk)
+    but the sparse-V threshold, which the prefill has not (it is exact), and the query rows, which size
+    its workspace."""
+    scalars = decode_scalars(shape, layout, k_scale, 0.0)
+    del scalars["sparse_v_threshold"]
+    return {**scalars, "num_query_rows": shape.query_rows}
 
 
 def query_start_arguments(dev: Device, shape: Shape) -> dict[str, Any]:
-    """The multi-token decode's arguments of one input set: `Shape.query_start` uploaded and
-    ``num_query_rows``; none where ``shape.q_len == 1`` (one query row per sequence)."""
+    """The query rows of one input set (multi-token decode, prefill): `Shape.query_start` uploaded
+    and ``num_query_rows``; none for a decode of one query row per sequence."""
     starts = shape.query_start
     if starts is None:
         return {}
@@ -135,10 +146,10 @@ def query_start_arguments(dev: Device, shape: Shape) -> dict[str, Any]:
 
 def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Config) -> dict[str, Any]:
     """The optional arguments of one input set's launch: checked mode (the pools' page count and
-    a zeroed error word), the decode's sinks (zero logits), soft cap, query rows
+    a zeroed error word), the decode's and the prefill's sinks (zero logits), soft cap, query rows
     (`query_start_arguments`) and block-table row stride (rows wider than `Shape.planned_blocks`),
-    the write's V encoder, the V rotation (write and decode); only those ``config`` and ``shape``
-    turn on."""
+    the write's V encoder, the V rotation (every op); only those ``config`` and ``shape`` turn
+    on."""
     options: dict[str, Any] = {}
     if config.v_rotation != "none":
         options["v_rotation"] = VRotation[config.v_rotation.upper()]
@@ -146,7 +157,7 @@ def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Confi
         word = dev.alloc(4)
         dev.memset(word, 0, 4)
         options.update(num_blocks=layout.num_blocks, error_flags=word)
-    if shape.op == "decode":
+    if shape.op != "write":
         if config.sinks:
             options["sinks"] = dev.upload(np.zeros(shape.num_q_heads, dtype=np.float32))
         if config.soft_cap:
@@ -159,12 +170,23 @@ def launch_options(dev: Device, shape: Shape, layout: CacheLayout, config: Confi
     return options
 
 
-def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) -> None:
-    """The benchmark's one call of the library's decode, with its split-K workspace."""
-    paged_decode_attn(
+def _attend(attention: Callable[..., None], scalars: dict[str, Any], buffers: DecodeBuffers,
+            stream: Any) -> None:
+    attention(
         buffers.q, buffers.k_cache, buffers.v_cache, buffers.output, buffers.block_tables,
         buffers.seq_lens, workspace=buffers.workspace, workspace_bytes=buffers.workspace_bytes,
         stream=stream, **scalars)
+
+
+def launch_decode(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) -> None:
+    """The benchmark's one call of the library's decode, with its split-K workspace."""
+    _attend(paged_decode_attn, scalars, buffers, stream)
+
+
+def launch_prefill(scalars: dict[str, Any], buffers: DecodeBuffers, stream: Any) -> None:
+    """The benchmark's one call of the library's prefill (``scalars`` hold ``query_start``), with
+    its workspace."""
+    _attend(paged_prefill_attn, scalars, buffers, stream)
 
 
 def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: WriteBuffers,
@@ -176,7 +198,7 @@ def launch_write(shape: Shape, layout: CacheLayout, k_scale: float, buffers: Wri
         num_tokens=shape.batch if num_tokens is None else num_tokens, num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         block_size=shape.block_size, key_stride=shape.row_elems, value_stride=shape.row_elems,
-        k_scale=k_scale, v_bits=shape.bits, stream=stream, **_page_strides(layout), **(options or {}))
+        k_scale=k_scale, v_bits=shape.bits, stream=stream, **page_strides(layout), **(options or {}))
 
 
 def block_table(shape: Shape, rng: np.random.Generator) -> np.ndarray:
@@ -221,37 +243,62 @@ def step_enqueue(dev: Device, shape: Shape, config: Config, layout: CacheLayout,
     return write_then_decode
 
 
+def attention_buffers(dev: Device, shape: Shape, layout: CacheLayout, chunk: Chunk, workspace_bytes: int,
+                      rng: np.random.Generator) -> tuple[DecodeBuffers, np.ndarray]:
+    """One decode or prefill input set and its block table (`block_table`): pools filled with
+    ``chunk`` (the whole context written before any launch), sequences as long as
+    `Shape.seq_lens`, random bf16 q of ``q_len`` rows per sequence, a workspace of
+    ``workspace_bytes``."""
+    q = rng.standard_normal(shape.q_elems, dtype=np.float32)
+    table = block_table(shape, rng)
+    buffers = DecodeBuffers(
+        q=dev.upload(bf16_bits(q)), k_cache=dev.alloc(layout.k_pool_bytes),
+        v_cache=dev.alloc(layout.v_pool_bytes), output=dev.alloc(shape.q_elems * BF16_BYTES),
+        block_tables=dev.upload(table),
+        seq_lens=dev.upload(shape.seq_lens),
+        workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
+        workspace_bytes=workspace_bytes)
+    replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
+    replicate(dev, buffers.v_cache, layout.v_pool_bytes, chunk.v_pages)
+    return buffers, table
+
+
 def decode_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
                     rng: np.random.Generator) -> list[Callable[[], None]]:
-    """One decode step per input set (`step_enqueue`): pools filled with ``chunk``, each sequence
+    """One decode step per input set (`step_enqueue`) over `attention_buffers`: each sequence
     on its own pages in a random order (block-table rows of `Shape.table_blocks` pages, page 0
-    past the sequence's own), sequences as long as `Shape.seq_lens`, random bf16 q of ``q_len``
-    rows per sequence."""
-    layout = _layout(shape)
+    past the sequence's own)."""
+    layout = case_layout(shape)
     scalars = decode_scalars(shape, layout, chunk.k_scale, config.sparse_v_threshold)
     workspace_bytes = paged_decode_workspace_bytes(**scalars)
     enqueues = []
     for _ in range(config.sets):
-        q = rng.standard_normal(shape.q_elems, dtype=np.float32)
-        table = block_table(shape, rng)
-        buffers = DecodeBuffers(
-            q=dev.upload(bf16_bits(q)), k_cache=dev.alloc(layout.k_pool_bytes),
-            v_cache=dev.alloc(layout.v_pool_bytes), output=dev.alloc(shape.q_elems * BF16_BYTES),
-            block_tables=dev.upload(table),
-            seq_lens=dev.upload(shape.seq_lens),
-            workspace=dev.alloc(workspace_bytes) if workspace_bytes else 0,
-            workspace_bytes=workspace_bytes)
-        replicate(dev, buffers.k_cache, layout.k_pool_bytes, chunk.k_pages)
-        replicate(dev, buffers.v_cache, layout.v_pool_bytes, chunk.v_pages)
+        buffers, table = attention_buffers(dev, shape, layout, chunk, workspace_bytes, rng)
         launch_scalars = {**scalars, **launch_options(dev, shape, layout, config)}
         enqueues.append(step_enqueue(dev, shape, config, layout, chunk.k_scale, launch_scalars, buffers, table, rng))
+    return enqueues
+
+
+def prefill_enqueues(dev: Device, shape: Shape, config: Config, chunk: Chunk,
+                     rng: np.random.Generator) -> list[Callable[[], None]]:
+    """One prefill launch per input set over `attention_buffers` (each sequence's chunk the last
+    ``q_len`` positions of its context, already in the pools), with the workspace that
+    `paged_prefill_workspace_bytes` asks for."""
+    layout = case_layout(shape)
+    scalars = prefill_scalars(shape, layout, chunk.k_scale)
+    workspace_bytes = paged_prefill_workspace_bytes(**scalars)
+    enqueues = []
+    for _ in range(config.sets):
+        buffers, _table = attention_buffers(dev, shape, layout, chunk, workspace_bytes, rng)
+        launch_scalars = {**scalars, **launch_options(dev, shape, layout, config)}
+        enqueues.append(functools.partial(launch_prefill, launch_scalars, buffers, dev.stream))
     return enqueues
 
 
 def write_enqueues(dev: Device, shape: Shape, config: Config,
                    rng: np.random.Generator) -> list[Callable[[], None]]:
     """One write launch per input set: N(0, 1) bf16 rows to distinct random slots."""
-    layout = _layout(shape)
+    layout = case_layout(shape)
     key, value = (rng.standard_normal((shape.batch, shape.row_elems), dtype=np.float32)
                   for _ in range(2))
     k_scale = float(np.abs(key).max()) / E4M3_MAX

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -210,31 +210,45 @@ def _gathered(torch: Any, pages: Any, rows: Any) -> Any:
     return pages[rows].double()
 
 
+def sequence_kv(torch: Any, k_pages: Any, v_pages: Any, pages: Any, length: int) -> tuple[Any, Any]:
+    """A sequence's K and V ``[length, kv_heads, head_dim]`` as float64, from the pages
+    (``[pages, block_size, kv_heads, head_dim]``, NHD) whose ids ``pages`` holds in order."""
+    rows = pages[:-(-length // k_pages.shape[1])].long()
+    return tuple(_gathered(torch, pool, rows).reshape(-1, *pool.shape[2:])[:length] for pool in (k_pages, v_pages))
+
+
+def attention_error(torch: Any, got: Any, q: Any, k: Any, v: Any, sm_scale: float) -> float:
+    """The largest relative error per head of one query row's output ``got`` ``[q_heads,
+    head_dim]`` against float64 attention of ``q`` (the same shape) over ``k`` and ``v``
+    (float64 ``[positions, kv_heads, head_dim]``, GQA: consecutive query heads share a KV head)."""
+    kv_heads, head_dim = k.shape[1:]
+    qs = q.double().reshape(kv_heads, -1, head_dim)
+    scores = torch.einsum("hgd,lhd->hgl", qs, k) * sm_scale
+    want = torch.einsum("hgl,lhd->hgd", torch.softmax(scores, dim=-1), v).reshape(-1, head_dim)
+    got = got.double()
+    return float((torch.linalg.vector_norm(got - want, dim=-1) / torch.linalg.vector_norm(want, dim=-1)).max())
+
+
+def judged(worst: float) -> float:
+    """``worst``, a peer's largest relative error (`attention_error`); raises `PeerUnavailable`
+    ("error: ...") above `PEER_OUTPUT_TOLERANCE` (and for NaN)."""
+    if not worst <= PEER_OUTPUT_TOLERANCE:
+        raise PeerUnavailable(f"error: output differs from float64 attention over its cache "
+                              f"(relative error {worst:.3g} > {PEER_OUTPUT_TOLERANCE})")
+    return worst
+
+
 def check_paged_output(torch: Any, out: Any, q: Any, k_pages: Any, v_pages: Any,
                        seq_pages: Callable[[int], Any], seq_lens: np.ndarray, sm_scale: float) -> float:
     """The largest relative error per head of a paged decode's output ``out`` ``[batch, q_heads,
     head_dim]`` against float64 attention over the pages (``[pages, block_size, kv_heads,
     head_dim]``, NHD; ``seq_pages(s)``: sequence s's page ids in order), for the first and last
     sequence; raises `PeerUnavailable` ("error: ...") above `PEER_OUTPUT_TOLERANCE`."""
-    batch, q_heads, head_dim = out.shape
-    kv_heads = k_pages.shape[2]
     worst = 0.0
-    for s in sorted({0, batch - 1})[:CHECKED_SEQUENCES]:
-        length = int(seq_lens[s])
-        rows = seq_pages(s)[:-(-length // k_pages.shape[1])].long()
-        k = _gathered(torch, k_pages, rows).reshape(-1, kv_heads, head_dim)[:length]
-        v = _gathered(torch, v_pages, rows).reshape(-1, kv_heads, head_dim)[:length]
-        group = q_heads // kv_heads
-        qs = q[s].double().reshape(kv_heads, group, head_dim)
-        scores = torch.einsum("hgd,lhd->hgl", qs, k) * sm_scale
-        want = torch.einsum("hgl,lhd->hgd", torch.softmax(scores, dim=-1), v).reshape(q_heads, head_dim)
-        got = out[s].double()
-        err = (torch.linalg.vector_norm(got - want, dim=-1) / torch.linalg.vector_norm(want, dim=-1)).max()
-        worst = max(worst, float(err))
-    if not worst <= PEER_OUTPUT_TOLERANCE:
-        raise PeerUnavailable(f"error: output differs from float64 attention over its cache "
-                              f"(relative error {worst:.3g} > {PEER_OUTPUT_TOLERANCE})")
-    return worst
+    for s in sorted({0, out.shape[0] - 1})[:CHECKED_SEQUENCES]:
+        k, v = sequence_kv(torch, k_pages, v_pages, seq_pages(s), int(seq_lens[s]))
+        worst = max(worst, attention_error(torch, out[s], q[s], k, v, sm_scale))
+    return judged(worst)
 
 
 def _paged_inputs(torch: Any, shape: Shape, kv_dtype: Any) -> tuple[Any, Any, Any, Any]:
@@ -293,15 +307,20 @@ peer_bf16_xqa = _xqa(BF16_BYTES)
 FP8_PEERS = ("fp8_sdpa", "fp8_flashinfer", "fp8_xqa")
 
 
-def best_fp8_peer(results: dict[str, dict[str, Any]]) -> tuple[str, float] | None:
-    """The fastest FP8 peer that ran among ``results`` (`run_peer`'s, by name) and its median µs,
-    or None where none ran."""
-    ran = [(results[name]["median_us"], name) for name in FP8_PEERS
+def fastest_peer(results: dict[str, dict[str, Any]], names: Sequence[str]) -> tuple[str, float] | None:
+    """The fastest of the peers ``names`` that ran among ``results`` (`run_peer`'s, by name) and
+    its median µs, or None where none ran."""
+    ran = [(results[name]["median_us"], name) for name in names
            if results.get(name, {}).get("status") == "ok"]
     if not ran:
         return None
     median_us, name = min(ran)
     return name, median_us
+
+
+def best_fp8_peer(results: dict[str, dict[str, Any]]) -> tuple[str, float] | None:
+    """The fastest FP8 peer that ran among ``results`` (`fastest_peer` of `FP8_PEERS`)."""
+    return fastest_peer(results, FP8_PEERS)
 
 
 #: Each peer times its decode of a shape (and with a `PowerProbe` measures its power): (bytes, timing).
@@ -316,12 +335,18 @@ PEERS: dict[str, Callable[[Device, Shape, Config, PowerProbe | None], tuple[int,
 
 def run_peer(name: str, dev: Device, shape: Shape, config: Config, ceiling_gbps: float,
              counters: NvmlCounters | None = None, power: PowerProbe | None = None) -> dict[str, Any]:
-    """One peer's numbers for ``shape`` (see `measured`, and ``clock_limited`` as a row's) with
-    ``status`` "ok"; else only a status: "absent", "skipped: <why>" or "error: <first line of the
-    error>"."""
+    """One decode peer's numbers for ``shape`` (`measure_peer` of ``PEERS[name]``)."""
+    return measure_peer(functools.partial(PEERS[name], dev, shape, config), ceiling_gbps, counters, power)
+
+
+def measure_peer(peer: Callable[[PowerProbe | None], tuple[int, Timing]], ceiling_gbps: float,
+                 counters: NvmlCounters | None = None, power: PowerProbe | None = None) -> dict[str, Any]:
+    """A peer's numbers (see `measured`, and ``clock_limited`` as a row's) with ``status`` "ok",
+    ``peer(power)`` giving its bytes and timing; else only a status: "absent", "skipped: <why>"
+    or "error: <first line of the error>"."""
     try:
         with clock_limits_held(counters) as held:
-            nbytes, timing = PEERS[name](dev, shape, config, power)
+            nbytes, timing = peer(power)
         return {"status": "ok", **measured(nbytes, timing, ceiling_gbps), "clock_limited": held or None}
     except PeerUnavailable as why:
         return {"status": str(why)}

@@ -1,5 +1,6 @@
-"""The run's report: its context (`describe_device`: GPU, driver, versions, the library's build commit), the text table
-of the rows and their energy (`format_report`), and the roofline plot (`write_plot`)."""
+"""The run's report: its context (`describe_device`: GPU, driver, versions, the library's build commit), the text tables
+of the rows (decode and write; prefill: `prefill_rows`) and their energy (`format_report`), and the roofline plot
+(`write_plot`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from fp8kturbov._lib import build_commit, cuda_runtime_version
 from fp8kturbov._device import Device, cu, driver_call
 
 from ..console import format_number, format_table
-from .config import OPS, Config, floor_us, gbps
+from .config import BANDWIDTH_OPS, OPS, Config, floor_us, gbps
+from .prefill_peers import BF16_PREFILL_PEERS, ROUND_TRIP_PEERS
 from .rows import context_line
 from .timing import GRAPH_CHAIN
 
@@ -81,15 +83,49 @@ TABLE_COLUMNS = ("op", "bits", "shape", "D", "us", "GB/s", "% ceil", "floor us",
 
 
 def table_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
-    """The cells of the case rows (decode and write), in `TABLE_COLUMNS` order."""
+    """The cells of the decode and write rows, in `TABLE_COLUMNS` order."""
     return [(row["op"] if row.get("append") in (None, "none") else f"{row['op']}+{row['append']}",
              str(row["bits"]), row["shape"], str(row["head_dim"]),
              format_number(row["median_us"], 2), format_number(row["gbps"], 0),
              format_number(row["pct_of_ceiling"]), format_number(row["floor_us"], 2),
              format_number(row["plain_read_us"], 2), format_number(row["in_graph_us"], 2),
              *(_peer_cell(row["peers"].get(name)) for name in PEER_LABELS),
-             "-" if row.get("vs_best_fp8") is None else f"{row['vs_best_fp8']:.2f}x", row["note"].split(":", 1)[0])
-            for row in rows if row["op"] in OPS]
+             _times(row.get("vs_best_fp8")), row["note"].split(":", 1)[0])
+            for row in rows if row["op"] in BANDWIDTH_OPS]
+
+
+def _times(ratio: float | None) -> str:
+    """A peer's time over a row's, ``"1.50x"``; ``"-"`` where there is none."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _fastest_cell(row: dict[str, Any], best: str | None, names: Sequence[str]) -> str:
+    """The time of the fastest of a pair of peers, with its flashinfer backend (``"812.40 fa3"``);
+    where neither ran, the first one's status (`_peer_cell`)."""
+    if best is None:
+        return _peer_cell(row["peers"].get(names[0]))
+    return f"{format_number(row['peers'][best]['median_us'], 2)} {best.rsplit('_', 1)[1]}"
+
+
+PREFILL_COLUMNS = ("op", "bits", "shape", "chunk", "D", "us", "in-graph us", "TFLOP/s", "MB", "bf16 prefill us",
+                   "dequant+bf16 us", "vs round trip", "vs bf16 alone", "note")
+
+
+def prefill_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The cells of the prefill rows, in `PREFILL_COLUMNS` order: ours, the faster of flashinfer's
+    BF16 prefills and of the round trips (`prefill_peers`), each one's time over ours."""
+    return [(row["op"], str(row["bits"]), row["shape"], str(row["q_len"]), str(row["head_dim"]),
+             format_number(row["median_us"], 2), format_number(row["in_graph_us"], 2),
+             format_number(row["tflops"]), format_number(row["bytes"] / 1e6),
+             _fastest_cell(row, row["best_bf16_prefill_peer"], BF16_PREFILL_PEERS),
+             _fastest_cell(row, row["best_round_trip_peer"], ROUND_TRIP_PEERS),
+             _times(row["vs_round_trip"]), _times(row["vs_bf16_prefill"]), row["note"].split(":", 1)[0])
+            for row in rows if row["op"] == "prefill"]
+
+
+def _shape_cell(row: dict[str, Any]) -> str:
+    """A row's shape, and a prefill's chunk: ``"1x8192 chunk 512"``."""
+    return f"{row['shape']} chunk {row['q_len']}" if row["op"] == "prefill" else row["shape"]
 
 
 def _energy_cell(result: dict[str, Any] | None) -> str:
@@ -104,7 +140,7 @@ ENERGY_COLUMNS = ("op", "bits", "shape", "D", "mJ (W)", *(f"{label} mJ (W)" for 
 
 def energy_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, ...]]:
     """The cells of the case rows whose power was measured (or a peer's), in `ENERGY_COLUMNS` order."""
-    return [(row["op"], str(row["bits"]), row["shape"], str(row["head_dim"]), _energy_cell(row),
+    return [(row["op"], str(row["bits"]), _shape_cell(row), str(row["head_dim"]), _energy_cell(row),
              *(_energy_cell(row["peers"].get(name)) for name in PEER_LABELS))
             for row in rows if row["op"] in OPS and
             any(r.get("power_w") is not None for r in (row, *row["peers"].values()))]
@@ -114,7 +150,11 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
     """The table, why any cell is empty, the ceiling and launch-floor lines, the parameters and
     the run's context (commit, GPU, driver, date)."""
     by_op = {row["op"]: row for row in rows}
-    lines = [format_table(table_rows(rows), TABLE_COLUMNS), "", *_reasons(rows)]
+    bandwidth, prefill = table_rows(rows), prefill_rows(rows)
+    lines = [format_table(bandwidth, TABLE_COLUMNS), ""] if bandwidth or not prefill else []
+    if prefill:
+        lines += [format_table(prefill, PREFILL_COLUMNS), ""]
+    lines += _reasons(rows)
     energy = energy_rows(rows)
     if energy:
         lines += [f"energy per launch, mJ (the board's mean power, W, over about {config.power_window_s:g} s of "
@@ -136,6 +176,8 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
         lines.append(f"launch floor: {format_number(launch['median_us'], 2)} us ({launch['shape']}); "
                      f"in a graph of {GRAPH_CHAIN} launches {format_number(launch['in_graph_us'], 2)} us "
                      "per launch, the 'in-graph us' of the rows")
+    if prefill:
+        lines.append(PREFILL_LEGEND)
     lines.append(f"q_heads {config.num_q_heads}, kv_heads {config.num_kv_heads}, block_size "
                  f"{config.block_size}, sparse V threshold {config.sparse_v_threshold:g}, "
                  f"{'checked mode' if config.checked else 'unchecked'}{_options_text(config)}; "
@@ -148,6 +190,17 @@ def format_report(rows: Sequence[dict[str, Any]], device: dict[str, Any], config
         lines.append("timing gate unsupported by this driver: short launches include host time")
     lines.append(context_line(device))
     return "\n".join(lines)
+
+
+#: What the prefill table's columns are.
+PREFILL_LEGEND = (
+    "prefill: each sequence's chunk of N query tokens (the last N of its context, written before the timing) "
+    "attends its context causally; TFLOP/s: 4 x q_heads x head_dim per (token, attended position), the "
+    "causal triangle exact; MB: the bytes the format obliges the launch to move (the context's cache bytes "
+    "once, q, the output, the table); bf16 prefill: flashinfer's paged prefill (causal) over a BF16 cache "
+    "of as many tokens; dequant+bf16: the library's dequantize of the context into BF16 pages, then that "
+    "prefill, in one graph; each the faster of flashinfer's fa2 and fa3 backends (named beside the time); "
+    "vs: that time over ours (> 1: ours faster)")
 
 
 def _options_text(config: Config) -> str:
@@ -173,7 +226,7 @@ def _reasons(rows: Iterable[dict[str, Any]]) -> list[str]:
     as the peers' results repeat over the bits)."""
     found = []
     for row in rows:
-        where = f"{row['op']} {row['shape']} D{row['head_dim']}"
+        where = f"{row['op']} {_shape_cell(row)} D{row['head_dim']}"
         if row["note"].startswith("skipped"):
             found.append(f"{where} {row['bits']}b: {row['note']}")
         found += [f"{where} {name}: {peer['status']}" for name, peer in row["peers"].items()
@@ -194,7 +247,7 @@ def write_plot(path: str | Path, rows: Sequence[dict[str, Any]]) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib, or the package's [plot] extra)"
     by_op = {row["op"]: row for row in rows}
-    cases = [row for row in rows if row["op"] in OPS and row["gbps"] is not None]
+    cases = [row for row in rows if row["op"] in BANDWIDTH_OPS and row["gbps"] is not None]
     if "read" not in by_op or not cases:
         return "no measured cases to plot"
     ceiling = by_op["read"]["gbps"]

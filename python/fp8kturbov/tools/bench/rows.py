@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import Config, Shape, floor_us, gbps, launch_bytes
+from .config import Config, Shape, floor_us, gbps, launch_bytes, prefill_flops
 from .power import clock_limit_note, energy_mj
 from .timing import Timing
 
@@ -65,18 +65,27 @@ class Result:
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
     best_fp8_peer: str | None = None  # the fastest FP8 peer of the row (`peers.best_fp8_peer`)
     vs_best_fp8: float | None = None  # its median over the row's: > 1 where the row is faster
+    flops: int | None = None  # prefill: floating-point operations per launch (`config.prefill_flops`)
+    tflops: float | None = None  # prefill: flops / median, 1e12 per second
+    best_bf16_prefill_peer: str | None = None  # prefill: the faster BF16 prefill peer (`prefill_peers`)
+    vs_bf16_prefill: float | None = None  # its median over the row's
+    best_round_trip_peer: str | None = None  # prefill: the faster dequantize + BF16 prefill peer
+    vs_round_trip: float | None = None  # its median over the row's
 
     @classmethod
     def for_shape(cls, shape: Shape) -> Result:
         fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(Shape)}
         if shape.op == "write":
             fields.update(dict.fromkeys(WRITE_UNSET_FIELDS))
-        return cls(shape=shape.label, bytes=launch_bytes(shape), **fields)
+        flops = prefill_flops(shape) if shape.op == "prefill" else None
+        return cls(shape=shape.label, bytes=launch_bytes(shape), flops=flops, **fields)
 
     def record(self, timing: Timing, ceiling_gbps: float) -> None:
         for name, value in measured(self.bytes, timing, ceiling_gbps).items():
             setattr(self, name, value)
         self.floor_us = floor_us(self.bytes, ceiling_gbps)
+        if self.flops is not None:
+            self.tflops = self.flops / timing.median_us / 1e6
 
     def mark_clock_limits(self, shares: dict[str, float]) -> None:
         """Keep the shares of `power.clock_limits_held` (None where not known) and add the note of those
@@ -107,13 +116,14 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                     "date": ISO 8601 UTC, "python": str, "torch": str|null,
                     "flashinfer": str|null},
          "config": the `Config` fields,
-         "rows": [{"op": "read"|"copy"|"launch"|"decode"|"write",
+         "rows": [{"op": "read"|"copy"|"launch"|"decode"|"write"|"prefill",
                    "shape": "8x8192" | "128 tok" | description,
                    "bits", "batch", "context", "head_dim", "num_q_heads", "num_kv_heads",
                    "block_size", "q_len": int|null  (null where not applicable; for write,
                                            "batch" is the token rows written, "context" and
                                            "q_len" are null; "q_len": query tokens per
-                                           sequence of the decode),
+                                           sequence of the decode, the chunk of the prefill:
+                                           the last q_len of each sequence's context tokens),
                    "lengths": "equal"|"ramp"|null  the decode's sequence lengths (LENGTHS),
                    "table_positions": int|null  the decode's block-table row width in
                                            positions, 0 for rows of the context's pages,
@@ -142,7 +152,9 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "energy_mj": float|null  per launch, mJ: power_w x in_graph_us,
                    "note": "" or, joined by ", ": "L2", "sets <N> %", "power cap <N> %",
                            "thermal <N> %" (a limit's share above 1 %); or "skipped: <why>",
-                   "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer"|"fp8_xqa"|"bf16_xqa": {"status": "ok"|"absent"|
+                   "peers": {"bf16_sdpa"|"fp8_sdpa"|"fp8_flashinfer"|"fp8_xqa"|"bf16_xqa" (decode),
+                             "bf16_fa2"|"bf16_fa3"|"dequant_bf16_fa2"|"dequant_bf16_fa3" (prefill):
+                             {"status": "ok"|"absent"|
                              "skipped: <why>"|"error: <why>", and when "ok": "bytes",
                              "median_us", "min_us", "samples", "set_medians_us", "gbps",
                              "pct_of_ceiling", "clock_limited", "power_w" (over its graph replays,
@@ -150,7 +162,18 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]], device: dict[st
                    "best_fp8_peer": "fp8_sdpa"|"fp8_flashinfer"|"fp8_xqa"|null  the fastest FP8
                                            peer that ran,
                    "vs_best_fp8": float|null  its median_us over the row's (> 1: the row is
-                                           faster)}]}
+                                           faster),
+                   "flops": int|null       a prefill's floating-point operations per launch,
+                                           4 x num_q_heads x head_dim per (query token,
+                                           attended position), the causal triangle exact,
+                   "tflops": float|null    flops / median, 1e12 per second,
+                   "best_bf16_prefill_peer": "bf16_fa2"|"bf16_fa3"|null  the faster flashinfer
+                                           BF16 prefill that ran, "vs_bf16_prefill": float|null
+                                           its median_us over the row's,
+                   "best_round_trip_peer": "dequant_bf16_fa2"|"dequant_bf16_fa3"|null  the faster
+                                           dequantize + BF16 prefill that ran,
+                                           "vs_round_trip": float|null  its median_us over the
+                                           row's}]}
 
     The first row is the ceiling (``op == "read"``), the second the copy, the third the launch
     floor.

@@ -1,5 +1,5 @@
 """A benchmark run tied together: the ceiling and the launch floor, then each case's launches timed
-(`record_launches`) with its plain read and its peers (`run_benchmarks`)."""
+(`record_launches`) with its plain read (decode) and its peers (decode, prefill) (`run_benchmarks`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 from fp8kturbov._device import BenchError, Device
 
 from ..console import GiB, progress
-from . import kernels, launches, peers, timing
+from . import kernels, launches, peers, prefill_peers, timing
 from .config import Config, Shape, build_cases, device_bytes, fits_in_l2, fits_in_memory, gbps
 from .launches import Chunk
 from .nvml import NvmlCounters
@@ -94,8 +94,9 @@ class _Runner:
         self.power = power
         self.rng = np.random.default_rng(config.seed)
         self.l2_bytes = dev.attribute("L2_CACHE_SIZE")
-        self._chunks: dict[Shape, Chunk] = {}
+        self._chunks: dict[tuple[int, ...], Chunk] = {}
         self._peers: dict[Shape, dict[str, dict[str, Any]]] = {}
+        self._prefill_peers: dict[tuple[str, Shape], dict[str, Any]] = {}
         self._plain_reads: dict[int, float | None] = {}
 
     def plain_read_us(self, nbytes: int) -> float | None:
@@ -105,7 +106,7 @@ class _Runner:
         return self._plain_reads[nbytes]
 
     def chunk(self, shape: Shape) -> Chunk:
-        key = dataclasses.replace(shape, batch=0, context=0, append="none")  # the chunk depends on the layout only
+        key = (shape.bits, shape.head_dim, shape.num_kv_heads, shape.block_size)  # the chunk depends on the layout only
         if key not in self._chunks:
             self._chunks[key] = launches.encode_chunk(shape, self.config.chunk_tokens, self.rng)
         return self._chunks[key]
@@ -119,6 +120,8 @@ class _Runner:
         with self.dev.scope():
             if shape.op == "decode":
                 enqueues = launches.decode_enqueues(self.dev, shape, self.config, self.chunk(shape), self.rng)
+            elif shape.op == "prefill":
+                enqueues = launches.prefill_enqueues(self.dev, shape, self.config, self.chunk(shape), self.rng)
             else:
                 enqueues = launches.write_enqueues(self.dev, shape, self.config, self.rng)
             record_launches(result, self.dev, enqueues, self.config, self.ceiling, self.counters, self.power)
@@ -128,9 +131,11 @@ class _Runner:
             result.plain_read_us = self.plain_read_us(result.bytes)
             if self.config.peers and shape.q_len == 1 and shape.append == "none":  # peers decode alone
                 result.peers = self.peer_results(shape)
-                best = peers.best_fp8_peer(result.peers)
-                if best is not None and result.median_us:
-                    result.best_fp8_peer, result.vs_best_fp8 = best[0], best[1] / result.median_us
+                result.best_fp8_peer, result.vs_best_fp8 = _against(result, peers.FP8_PEERS)
+        if shape.op == "prefill" and self.config.peers:
+            result.peers = self.prefill_peer_results(shape)
+            result.best_bf16_prefill_peer, result.vs_bf16_prefill = _against(result, prefill_peers.BF16_PREFILL_PEERS)
+            result.best_round_trip_peer, result.vs_round_trip = _against(result, prefill_peers.ROUND_TRIP_PEERS)
         return result
 
     def peer_results(self, shape: Shape) -> dict[str, dict[str, Any]]:
@@ -145,6 +150,28 @@ class _Runner:
                     peer["plain_read_us"] = self.plain_read_us(peer["bytes"])
             self._peers[key] = results
         return self._peers[key]
+
+    def prefill_peer_results(self, shape: Shape) -> dict[str, dict[str, Any]]:
+        """`prefill_peers.run_peer` of every prefill peer for ``shape``: the round trip's once per
+        case, the BF16 prefill's once per shape and chunk whatever the V bits."""
+        results = {}
+        for name in prefill_peers.PEERS:
+            key = (name, shape if name in prefill_peers.ROUND_TRIP_PEERS else dataclasses.replace(shape, bits=0))
+            if key not in self._prefill_peers:
+                self._prefill_peers[key] = prefill_peers.run_peer(
+                    name, self.dev, shape, self.config, self.chunk(shape), self.ceiling, self.counters, self.power)
+            results[name] = self._prefill_peers[key]
+        return results
+
+
+def _against(result: Result, names: Sequence[str]) -> tuple[str | None, float | None]:
+    """The fastest of the peers ``names`` that ran for ``result`` (`peers.fastest_peer`) and its
+    median over the row's (> 1 where the row is faster); (None, None) where none ran or the row
+    was not measured."""
+    best = peers.fastest_peer(result.peers, names)
+    if best is None or not result.median_us:
+        return None, None
+    return best[0], best[1] / result.median_us
 
 
 def run_benchmarks(config: Config, *, device: Device | None = None,
