@@ -207,7 +207,7 @@ def test_in_loop_rows_on_the_standin_model(tmp_path: pathlib.Path) -> None:
     assert "noise floor" not in Q.format_table(plain, config) and "scatter" not in Q.format_table(plain, config)
     table = Q.format_table(rows, config, 1.0)
     assert "noise floor" in table and "k_scale x1.001" in table and f"{len(rows)} rows" in table
-    assert "encoder scatter, 2 bits" in table and "matched_norm v x0.999" in table
+    assert "encoder scatter, 2 bits" in table and "V x0.999" in table
     again = Q.run_in_loop(config, weights=model, formats=Q.standard_formats(128, (2,), config.encoders)[3:4])
     assert again[0]["kl_mean"] == rows[3]["kl_mean"]  # deterministic
 

@@ -320,7 +320,7 @@ def row_label(r: dict[str, Any]) -> str:
     if r["k_scale_factor"] != 1.0:
         return f"k_scale x{r['k_scale_factor']:g}"
     if r.get("v_rounding_factor", 1.0) != 1.0:
-        return f"{r['encoder']} v x{r['v_rounding_factor']:g}"
+        return f"V x{r['v_rounding_factor']:g}"  # around the matched-norm encoder
     if r["layer_bits"]:
         return "per-layer " + "".join(map(str, r["layer_bits"]))
     return r["encoder"] or "-"
