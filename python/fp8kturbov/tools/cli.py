@@ -350,7 +350,7 @@ def add_quality_arguments(parser: argparse.ArgumentParser) -> None:
                              f"with --in-loop {quality_in_loop.DEFAULT_TOKENS})")
     parser.add_argument("--in-loop", action="store_true",
                         help="with --model: perplexity, KL and top-1 agreement with every layer reading K and V "
-                             "through the format (fp8kturbov.tools.quality_in_loop; about ten minutes)")
+                             "through the format (fp8kturbov.tools.quality_in_loop; about twelve minutes)")
     parser.add_argument("--text", metavar="FILE", help="with --in-loop: the UTF-8 text to run the model over "
                         "(default: the bundled chapters of Alice's Adventures in Wonderland)")
     parser.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
