@@ -1037,3 +1037,20 @@ def test_v2_write_struct_reads_v_encoder_as_matched_norm():
     # The version-2 fields are read: checked mode with work still needs its error word.
     args |= {"num_tokens": 1, "num_blocks": 8, "error_flags": 0}
     assert call_with_struct_size(WRITE_ENTRY, args, v2_size) == Status.NULL_POINTER
+
+
+def test_prefill_refuses_chunks_whose_rows_pass_32_bits():
+    """A chunk's (token, query head) rows are counted in 32 bits on the device: max_q_len times the group
+    size must stay below 2^31 (2^20 tokens of 4096 query heads over one KV head do not)."""
+    from fp8kturbov import ops
+    layout = fp8kturbov.CacheLayout(num_blocks=1, block_size=16, num_kv_heads=1, head_dim=64, v_bits=3)
+    args = dict(max_blocks_per_seq=2**16, num_seqs=1, num_q_heads=4096, num_kv_heads=1, head_dim=64, block_size=16,
+                inv_sqrt_d=0.125, k_scale=1.0, q_stride=4096 * 64, v_bits=3,
+                v_block_stride_bytes=layout.v_block_stride_bytes, v_data_section_bytes=layout.v_data_section_bytes,
+                num_query_rows=2**20)
+    with pytest.raises(fp8kturbov.InvalidValueError, match="max_q_len \\* group size = 1048576 \\* 4096"):
+        ops.paged_prefill_attn(0, 0, 0, 0, 0, 0, 0, max_q_len=2**20, **args)
+    with pytest.raises(fp8kturbov.InvalidValueError, match="group size"):
+        ops.paged_prefill_workspace_bytes(max_q_len=2**20, **{k: v for k, v in args.items()
+                                                            if k not in ("inv_sqrt_d",)})
+

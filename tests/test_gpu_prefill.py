@@ -44,12 +44,15 @@ class Case:
     soft_cap: float = 0.0
     checked: bool = False
     q_row_pad: int = 0             # q rows this many elements wider than num_q_heads * head_dim
+    workspace: bool = True         # context splits where the plan takes them
 
     def __str__(self) -> str:
         fields = (f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
                   if getattr(self, f.name) != f.default)
         return ",".join(fields) or "default"
 
+
+LONG, LONG_CHUNKS = (2000, 700, 5, 1), (16, 300, 5, 1)
 
 CASES = [
     *(Case(bits=b, head_dim=d) for b in (2, 3, 4) for d in (64, 128, 256)),
@@ -61,6 +64,11 @@ CASES = [
     Case(sinks=True), Case(soft_cap=20.0, bits=2), Case(sinks=True, soft_cap=5.0, head_dim=256, window=50),
     Case(rotation=True), Case(rotation=True, head_dim=256, bits=2, sinks=True),
     Case(checked=True), Case(q_row_pad=24, bits=4, head_dim=64),
+    # Short chunks over long contexts: the plan splits the context, a merge combines the splits.
+    *(Case(bits=b, head_dim=d, seq_lens=LONG, q_lens=LONG_CHUNKS, **options)
+      for b, d, options in ((2, 64, {}), (3, 128, {}), (4, 256, {}), (3, 128, dict(workspace=False)),
+                            (3, 128, dict(sinks=True, soft_cap=10.0)), (2, 128, dict(rotation=True, window=300)),
+                            (4, 256, dict(rotation=True, sinks=True)), (3, 64, dict(checked=True, group=8)))),
 ]
 
 
@@ -92,9 +100,14 @@ def run_case(rng, case: Case, *, use_lse: bool = True):
         q_dev = to_device(q_flat)[:, :num_q_heads * dim].view(rows, num_q_heads, dim)
         out = torch.full((rows, num_q_heads, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((rows, num_q_heads), 12345.0, dtype=torch.float32, device="cuda") if use_lse else None
+        workspace = (cache.prefill_workspace(len(seq_lens), num_q_heads, max_blocks, int(q_lens.max()), rows,
+                                             case.window) if case.workspace else None)
+        if workspace is not None:
+            workspace.fill_(0xFF)  # NaN partials wherever the kernels leave a gap
         fp8kturbov.paged_prefill(q_dev, cache, to_device(tables), to_device(seq_lens), to_device(query_start),
                                  max_q_len=int(q_lens.max()), out=out, lse=lse, sliding_window=case.window,
-                                 sinks=None if sinks is None else to_device(sinks), soft_cap=case.soft_cap)
+                                 sinks=None if sinks is None else to_device(sinks), soft_cap=case.soft_cap,
+                                 workspace=workspace)
         torch.cuda.synchronize()
         if case.checked:
             cache.check_errors()  # every index in range: nothing reported

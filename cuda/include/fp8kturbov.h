@@ -393,8 +393,11 @@ FP8KTURBOV_DECLARE_DECODE(4)
  *                -inf for a row with no position to attend. With it a caller merges this
  *                attention with another one over other positions (cascade attention).
  *  workspace     caller-owned device scratch (16-byte aligned) of
- *                fp8kturbov_paged_prefill_workspace_bytes bytes; this version needs none (0), so
- *                workspace may be NULL. The result is deterministic for a given shape and device.
+ *                fp8kturbov_paged_prefill_workspace_bytes bytes, or NULL. With it, where the grid
+ *                of (query tile, KV head) CTAs would leave the GPU short of a wave (short chunks over
+ *                long contexts), the context is split across CTAs and a second kernel merges the
+ *                splits; with less, each CTA attends its rows' whole range. The result is
+ *                deterministic for a given shape, device and workspace size.
  * head_dim 64, 128 or 256 (512: FP8KTURBOV_STATUS_NOT_SUPPORTED). sm_80 and newer.
  */
 typedef struct fp8kturbov_prefill_params {
@@ -440,8 +443,10 @@ FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_prefill_params_init_sized(
     fp8kturbov_prefill_params_t* params, size_t struct_size);
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_prefill_attn(
     const fp8kturbov_prefill_params_t* params, fp8kturbov_stream_t stream);
-/* Workspace BYTES that `params` (pointers and workspace fields ignored) needs on the current
- * device; validates the scalars like the launch; no synchronisation. */
+/* Workspace BYTES with which `params` (pointers and workspace fields ignored) runs its full plan
+ * on the current device (0 where splitting the context would not help; it grows with
+ * num_query_rows). Validates the scalars like the launch; a host query (device attributes), no
+ * synchronisation. */
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_prefill_workspace_bytes(
     const fp8kturbov_prefill_params_t* params, uint64_t* workspace_bytes);
 

@@ -9,6 +9,7 @@
 
 #include "fp8kturbov.h"  // fp8kturbov_index_error_t
 #include "plan/decode_plan.h"
+#include "plan/prefill_plan.h"
 
 namespace fp8kturbov {
 
@@ -211,15 +212,22 @@ struct PrefillArgs {
   uint32_t num_query_rows;
   uint32_t tiles_per_seq;  // query tiles of the longest chunk: the grid's x is num_seqs of them
   IndexCheck index_check;
+  // The split plan (plan/prefill_plan.h): with num_splits > 1 the CTAs of split s attend positions
+  // [s·split_positions, (s + 1)·split_positions) and write their normalised rows to partial_o
+  // ([num_splits][num_query_rows][num_q_heads][head_dim]) and their log-denominators to partial_lse
+  // ([num_splits][num_query_rows][num_q_heads]), which the merge kernel combines.
+  uint32_t num_splits;
+  uint32_t split_positions;
+  float* partial_o;
+  float* partial_lse;
 };
-
-// Query rows ((token, query head) pairs of one KV head) per prefill CTA: the grid's tiles.
-constexpr uint32_t kPrefillQueryRows = 64;
-// The largest head_dim the prefill is built for (its CTA's tiles in shared memory).
-constexpr uint32_t kPrefillMaxHeadDim = 256;
 
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_prefill(const PrefillArgs& args, cudaStream_t stream);
+
+// Resident prefill CTAs per multiprocessor of `device` (the current device), for the planner.
+template <int BITS, int HEAD_DIM>
+cudaError_t prefill_ctas_per_sm(int device, int* count);
 
 // Resident decode CTAs per multiprocessor of `device` (the current device), for the planner: of
 // the default kernel, or with `head_groups` of the head-group kernel (0 where it is not built).

@@ -110,9 +110,14 @@ fn the_prefill_names_the_argument_at_fault() {
         let r = paged_prefill_attn(&head_dim_512, 0);
         assert_failure(r, Status::NotSupported, entry, "head_dim = 512");
     }
-    // The header's "this version needs none"; a host query, with or without a GPU.
-    let longest_chunk = valid_prefill().num_seqs(1).max_q_len(4 * B);
-    assert_eq!(paged_prefill_workspace_bytes(&longest_chunk), Ok(0));
+    // A host query of the device (its multiprocessors): without a GPU the same CUDA error as the
+    // decode's.
+    let longest_chunk = valid_prefill().num_seqs(1).max_q_len(4 * B).num_query_rows(4 * B);
+    match no_gpu() {
+        Some(reason) => assert_eq!(paged_prefill_workspace_bytes(&longest_chunk).err().map(|e| e.status()),
+                                   Some(reason.status())),
+        None => assert!(paged_prefill_workspace_bytes(&longest_chunk).is_ok()),
+    }
     let r = paged_prefill_workspace_bytes(&head_dim_512.num_seqs(1).max_q_len(1));
     assert_failure(r.map(drop), Status::NotSupported, workspace_entry, "head_dim = 512");
 }

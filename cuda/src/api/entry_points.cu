@@ -582,12 +582,6 @@ cudaError_t dispatch_prefill(uint32_t bits, uint32_t head_dim, const PrefillArgs
   return cudaSuccess;
 }
 
-// Query tiles of the longest chunk: the prefill grid's tiles per sequence.
-uint64_t prefill_tiles_per_seq(const fp8kturbov_prefill_params_t& p) {
-  const uint64_t rows = uint64_t(p.max_q_len) * (p.num_q_heads / p.num_kv_heads);
-  return (rows + kPrefillQueryRows - 1) / kPrefillQueryRows;
-}
-
 // Every scalar rule of a prefill; also resolves the K page stride (0 = packed).
 fp8kturbov_status_t validate_prefill(const char* entry, const fp8kturbov_prefill_params_t& p,
                                      uint64_t* k_block_stride_bytes) {
@@ -601,12 +595,34 @@ fp8kturbov_status_t validate_prefill(const char* entry, const fp8kturbov_prefill
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "max_q_len = %u exceeds the positions of a block-table row (max_blocks_per_seq * block_size = %u * %u)",
                 p.max_q_len, p.max_blocks_per_seq, p.block_size);
+  // The kernel counts a chunk's (token, query head) rows in 32 bits.
+  const uint64_t chunk_rows = uint64_t(p.max_q_len) * (p.num_q_heads / p.num_kv_heads);
+  if (chunk_rows > INT32_MAX - kPrefillQueryRows)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
+                "max_q_len * group size = %u * %u exceeds 2^31 - %u rows", p.max_q_len,
+                p.num_q_heads / p.num_kv_heads, kPrefillQueryRows + 1);
   const uint64_t ctas = uint64_t(p.num_seqs) * prefill_tiles_per_seq(p);
   if (ctas > INT32_MAX)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
                 "num_seqs = %u needs %" PRIu64 " CTAs per KV head (num_seqs * ceil(max_q_len * group size / %u)), "
                 "more than 2^31 - 1", p.num_seqs, ctas, kPrefillQueryRows);
   return FP8KTURBOV_STATUS_SUCCESS;
+}
+
+// The plan of a validated prefill on the current device with `workspace_bytes` of workspace: cached
+// attribute and occupancy queries, no synchronisation.
+cudaError_t plan_prefill_on_device(const fp8kturbov_prefill_params_t& p, uint64_t workspace_bytes, PrefillPlan* plan) {
+  int device = 0, multiprocessors = 0, ctas_per_sm = 1;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = current_multiprocessors(&multiprocessors);
+#define FP8KTURBOV_PREFILL_CASE(BITS, HEAD_DIM) \
+  if (err == cudaSuccess && p.v_bits == BITS && p.head_dim == HEAD_DIM) \
+    err = prefill_ctas_per_sm<BITS, HEAD_DIM>(device, &ctas_per_sm);
+#include "dispatch_prefill.inc"
+#undef FP8KTURBOV_PREFILL_CASE
+  if (err != cudaSuccess) return err;
+  *plan = plan_prefill(p, multiprocessors, ctas_per_sm, workspace_bytes);
+  return cudaSuccess;
 }
 
 // The prefill's tensor-core instructions need sm_80: a cached attribute read, no synchronisation.
@@ -633,6 +649,9 @@ fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_par
   FP8KTURBOV_REQUIRE_POINTER(query_start);
   FP8KTURBOV_CHECK_ALIGNED(lse, alignof(float));
   FP8KTURBOV_CHECK(check_prefill_device(entry));
+  PrefillPlan plan{};
+  const cudaError_t query = plan_prefill_on_device(p, p.workspace_bytes, &plan);
+  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
   const FastDivider divider = fast_divider(p.block_size);
 
   PrefillArgs args{};  // filled by field name
@@ -668,6 +687,12 @@ fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_par
   args.num_query_rows = p.num_query_rows;
   args.tiles_per_seq = uint32_t(prefill_tiles_per_seq(p));
   args.index_check = index_check;
+  args.num_splits = plan.num_splits;
+  args.split_positions = plan.split_positions;
+  if (plan.num_splits > 1) {  // [partial rows][head_dim] floats, then a float per partial row
+    args.partial_o = static_cast<float*>(p.workspace);
+    args.partial_lse = args.partial_o + uint64_t(plan.num_splits) * p.num_query_rows * p.num_q_heads * p.head_dim;
+  }
   bool built = false;
   const cudaError_t err = dispatch_prefill(p.v_bits, p.head_dim, args, stream, &built);
   if (!built)
@@ -689,7 +714,13 @@ fp8kturbov_status_t prefill_workspace_impl(const char* entry, const fp8kturbov_p
   scalars.v_cache = nullptr;
   uint64_t k_block_stride_bytes = 0;
   FP8KTURBOV_CHECK(validate_prefill(entry, scalars, &k_block_stride_bytes));
-  *workspace_bytes = 0;  // one CTA per (query tile, KV head) attends the whole range: no partials
+  *workspace_bytes = 0;
+  if (p.num_seqs == 0 || p.max_q_len == 0) return FP8KTURBOV_STATUS_SUCCESS;
+  FP8KTURBOV_CHECK(check_prefill_device(entry));
+  PrefillPlan plan{};
+  const cudaError_t query = plan_prefill_on_device(p, UINT64_MAX, &plan);
+  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
+  *workspace_bytes = prefill_workspace_bytes(plan, p.num_query_rows, p.num_q_heads, p.head_dim);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 

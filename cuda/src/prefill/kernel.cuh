@@ -26,6 +26,7 @@
 
 #include "decode/ptx.cuh"
 #include "decode/ranges.cuh"
+#include "decode/traits.cuh"  // kLog2e
 #include "format.cuh"
 #include "kernel_args.h"
 #include "prefill/mma.cuh"
@@ -35,7 +36,6 @@ namespace fp8kturbov {
 
 constexpr int kPrefillWarps = 4;
 constexpr int kPrefillThreads = 32 * kPrefillWarps;
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int BITS, int HEAD_DIM>
 struct PrefillTraits {
@@ -120,8 +120,10 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     return row;
   };
   const int last_r = min(T::kQueryRows, q_len * group - first_flat) - 1;
-  const int range_begin = row_of(0).begin;  // the rows' ranges grow with the token
-  const int range_end = row_of(last_r).end;
+  // The positions the CTA reads: its rows' ranges (which grow with the token) within its split's.
+  const int64_t split_begin = int64_t(blockIdx.z) * a.split_positions;
+  const int range_begin = int(max(int64_t(row_of(0).begin), split_begin));
+  const int range_end = int(min(int64_t(row_of(last_r).end), split_begin + a.split_positions));
   // The thread's two rows in the mma fragments: lane / 4 and lane / 4 + 8 of its warp's 16.
   const PrefillRow rows[2] = {row_of(int(warp) * 16 + int(lane) / 4), row_of(int(warp) * 16 + int(lane) / 4 + 8)};
 
@@ -130,23 +132,31 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
   const uint64_t row_scale_bytes = uint64_t(a.num_kv_heads) * T::kScaleBytes;
   // 1. copy: the raw bytes of the tile at `tile0` into stage `s` (zeros, and not ok, for positions
   // outside [range_begin, range_end) or on pages checked mode finds outside the pools). The
-  // kThreadsPerPosition threads of a position look its page up once and copy every other piece.
+  // kThreadsPerPosition threads of a position copy its pieces; `page` is its page id, which
+  // `tile_page` loaded a tile earlier, so that the copies do not wait for the table.
   constexpr int kThreadsPerPosition = kPrefillThreads / T::kKvTile;
-  auto copy_tile = [&](int s, int tile0) {
+  const int thread_pos = int(tid) / kThreadsPerPosition, thread_part = int(tid) % kThreadsPerPosition;
+  auto tile_page = [&](int tile0) -> int32_t {
+    const int pos = tile0 + thread_pos;
+    if (pos < range_begin || pos >= range_end) return 0;
+    uint32_t block = 0, offset = 0;
+    split_position(a, uint32_t(pos), block, offset);
+    return __ldg(table + block);
+  };
+  auto copy_tile = [&](int s, int tile0, int32_t page) {
     typename T::Stage& stage = sh.stages[s];
-    const int p = int(tid) / kThreadsPerPosition, part = int(tid) % kThreadsPerPosition;
+    const int p = thread_pos, part = thread_part;
     const int pos = tile0 + p;
     bool ok = pos >= range_begin && pos < range_end;
     uint32_t block = 0, offset = 0;
-    int32_t page = 0;
     if (ok) {
       split_position(a, uint32_t(pos), block, offset);
-      page = __ldg(table + block);
       if (a.index_check.enabled() && a.index_check.page_out_of_range(page)) {
         ok = false;
         if (part == 0) a.index_check.report(FP8KTURBOV_INDEX_ERROR_BLOCK_TABLE);
       }
     }
+    if (!ok) page = 0;
     if (part == 0) stage.position_ok[p] = ok;
     const uint8_t* k_row = a.k_cache + uint64_t(page) * a.k_block_stride_bytes +
                            (uint64_t(offset) * a.num_kv_heads + kv_head) * HEAD_DIM;
@@ -168,7 +178,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     copy_async_commit();
   };
   const int first_tile0 = range_begin & ~(T::kKvTile - 1);
-  if (first_tile0 < range_end) copy_tile(0, first_tile0);
+  if (first_tile0 < range_end) copy_tile(0, first_tile0, tile_page(first_tile0));
+  int32_t next_page = tile_page(first_tile0 + T::kKvTile);  // the second tile's
 
   // ---- Q: the tile's rows into shared memory as fp16, scaled by a power of two ----------------------
   constexpr int kChunks = HEAD_DIM / 8;  // 8-element chunks of a head row
@@ -219,6 +230,10 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     *reinterpret_cast<uint4*>(&sh.tiles.q[i / kChunks][(i % kChunks) * 8]) = h;
   }
   const float score_scale = a.score_scale / q_gain;  // a power of two: exact
+  // A score in log2 units (exp2f below) is s·outer, or outer·tanh(s·inner) under a soft cap.
+  const bool capped = a.soft_cap > 0.0f;
+  const float outer = (capped ? a.soft_cap : score_scale) * kLog2e;
+  const float inner = capped ? score_scale / a.soft_cap : 1.0f;
 
   float m[2] = {-INFINITY, -INFINITY};  // running maxima (log2 units)
   float l[2] = {0.0f, 0.0f};            // the thread's share of the denominators
@@ -230,11 +245,16 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
   for (int tile0 = first_tile0; tile0 < range_end; tile0 += T::kKvTile, stage ^= 1) {
     copy_async_wait<0>();
     __syncthreads();  // the stage has landed; every warp is done with the previous tile's rows
-    if (tile0 + T::kKvTile < range_end) copy_tile(stage ^ 1, tile0 + T::kKvTile);
+    if (tile0 + T::kKvTile < range_end) {
+      copy_tile(stage ^ 1, tile0 + T::kKvTile, next_page);
+      next_page = tile_page(tile0 + 2 * T::kKvTile);  // used a tile from now
+    }
 
     // ---- 2. dequantize: the staged bytes into fp16 K and V rows ----------------------------------
     const typename T::Stage& st = sh.stages[stage];
     bool tile_ok = true;  // every position of the tile attended by some row (no page masked)
+    static_assert(T::kKvTile * T::kGroups % kPrefillThreads == 0, "whole groups per thread");
+#pragma unroll
     for (int i = int(tid); i < T::kKvTile * T::kGroups; i += kPrefillThreads) {
       const int p = i / T::kGroups, g = i % T::kGroups;
       tile_ok = tile_ok && st.position_ok[p];
@@ -295,9 +315,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     for (int j = 0; j < T::kScoreTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * score_scale;
-        if (a.soft_cap > 0.0f) x = a.soft_cap * tanhf(x / a.soft_cap);
-        x *= kLog2e;  // log2 units: exp2f below
+        float x = capped ? outer * tanhf(s[j][e] * inner) : s[j][e] * outer;
         if (masked) {
           const int col = j * 8 + 2 * int(lane % 4) + (e & 1);
           const PrefillRow& row = rows[e / 2];
@@ -350,14 +368,15 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     }
   }
 
-  // ---- Finish: denominators (sinks join them), normalised rows into shared memory ----------------
+  // ---- Finish: denominators (sinks join them, unless the merge adds them), normalised rows --------
+  const bool split = a.num_splits > 1;  // the partials go to the workspace, for the merge kernel
   float row_scale[2], lse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     float weight = 1.0f;  // of the rows' positions, after a sink
-    if (l[h] > 0.0f && a.sinks != nullptr) {
+    if (l[h] > 0.0f && a.sinks != nullptr && !split) {
       const float sink = __ldg(a.sinks + rows[h].head) * kLog2e;
       const float m_final = fmaxf(m[h], sink);
       weight = exp2f(m[h] - m_final);
@@ -378,29 +397,41 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
       dst[1] = o[j][2 * h + 1] * row_scale[h];
     }
   }
-  if (a.lse != nullptr && lane % 4 == 0) {
+  // Row r's place in the output (and, with splits, in this split's partials).
+  auto output_row = [&](const PrefillRow& row) {
+    return uint64_t(row0 + uint32_t(row.token)) * a.num_q_heads + uint32_t(row.head);
+  };
+  const uint64_t split_rows = uint64_t(blockIdx.z) * a.num_query_rows * a.num_q_heads;
+  float* const lse_out = split ? a.partial_lse + split_rows : a.lse;
+  if (lse_out != nullptr && lane % 4 == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      if (rows[h].token < q_len)
-        a.lse[uint64_t(row0 + uint32_t(rows[h].token)) * a.num_q_heads + uint32_t(rows[h].head)] = lse[h];
+      if (rows[h].token < q_len) lse_out[output_row(rows[h])] = lse[h];
   }
   if constexpr (kRotatableHeadDim<HEAD_DIM>) {
-    if (a.rotated_v) {  // FORMAT §6: attention is linear in V, so the rows are rotated back
+    if (a.rotated_v && !split) {  // FORMAT §6: attention is linear in V, so the rows are rotated back
+      // (Partials stay rotated: the merge rotates their combination back.)
       __syncwarp();
       for (int r = int(warp) * 16; r < int(warp) * 16 + 16; ++r) unrotate_row<HEAD_DIM>(sh.o[r], lane);
     }
   }
   __syncthreads();
 
-  // ---- Store: bf16 rows, 8 elements per thread and step -------------------------------------------
+  // ---- Store: bf16 rows (fp32 partials with splits), 8 elements per thread and step ----------------
   for (int i = int(tid); i < T::kQueryRows * kChunks; i += kPrefillThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const PrefillRow row = row_of(r);
     if (row.token >= q_len) continue;
     const float* src = &sh.o[r][c * 8];
+    if (split) {
+      float4* dst = reinterpret_cast<float4*>(a.partial_o + (split_rows + output_row(row)) * HEAD_DIM + c * 8);
+      dst[0] = make_float4(src[0], src[1], src[2], src[3]);
+      dst[1] = make_float4(src[4], src[5], src[6], src[7]);
+      continue;
+    }
     const uint4 chunk = make_uint4(bf16x2_bits(src[0], src[1]), bf16x2_bits(src[2], src[3]), bf16x2_bits(src[4], src[5]),
                                    bf16x2_bits(src[6], src[7]));
-    uint16_t* dst = a.output + (uint64_t(row0 + uint32_t(row.token)) * a.num_q_heads + uint32_t(row.head)) * HEAD_DIM + c * 8;
+    uint16_t* dst = a.output + output_row(row) * HEAD_DIM + c * 8;
     if (a.output_vector_stores) {
       *reinterpret_cast<uint4*>(dst) = chunk;
     } else {

@@ -1,0 +1,53 @@
+// The prefill's plan: how many context splits each (query tile, KV head) takes, and the workspace
+// their partials need. Plain host C++ (no CUDA runtime), so that plans are tested without a GPU.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8kturbov.h"
+#include "plan/host_device.h"
+
+namespace fp8kturbov {
+
+// Query rows ((token, query head) pairs of one KV head) per prefill CTA: the grid's tiles.
+constexpr uint32_t kPrefillQueryRows = 64;
+// The largest head_dim the prefill is built for (its CTA's tiles in shared memory).
+constexpr uint32_t kPrefillMaxHeadDim = 256;
+constexpr uint32_t kPrefillMinSplitTiles = 4;  // no split shorter than this many tiles of positions
+constexpr uint32_t kPrefillMaxSplits = 256;    // partials per (query row, head) at most
+constexpr uint64_t kPrefillMaxWaves = 2;       // splits add CTAs up to this many waves at most
+
+// Positions per tile of a prefill CTA's loop (its K and V tiles in shared memory).
+FP8KTURBOV_HOST_DEVICE constexpr uint32_t prefill_kv_tile(uint32_t head_dim) { return head_dim <= 128 ? 64 : 32; }
+
+// Query tiles of the longest chunk: the prefill grid's tiles per sequence.
+inline uint64_t prefill_tiles_per_seq(const fp8kturbov_prefill_params_t& p) {
+  const uint64_t rows = uint64_t(p.max_q_len) * (p.num_q_heads / p.num_kv_heads);
+  return (rows + kPrefillQueryRows - 1) / kPrefillQueryRows;
+}
+
+// How a prefill is split over CTAs: each (query tile, KV head) takes num_splits CTAs, split s
+// attending only the positions [s·split_positions, (s + 1)·split_positions) of its rows' ranges; a
+// merge kernel then combines the splits' partials by their log-denominators. One split: no
+// workspace, the prefill kernel writes the output.
+struct PrefillPlan {
+  uint32_t num_splits;
+  uint32_t split_positions;  // a multiple of the tile (prefill_kv_tile)
+};
+
+// Workspace bytes of a plan: [num_splits][num_query_rows][num_q_heads] rows of head_dim floats (the
+// normalised partial outputs), then as many floats of log-denominators.
+inline uint64_t prefill_workspace_bytes(const PrefillPlan& plan, uint32_t num_query_rows, uint32_t num_q_heads,
+                                        uint32_t head_dim) {
+  if (plan.num_splits <= 1) return 0;
+  return uint64_t(plan.num_splits) * num_query_rows * num_q_heads * (uint64_t(head_dim) + 1) * sizeof(float);
+}
+
+// The plan of a validated prefill on a device of `multiprocessors` with `ctas_per_sm` resident CTAs
+// each, with `workspace_bytes` of workspace: splits where the unsplit grid leaves the device short
+// of a wave, as many as fill it (up to kPrefillMaxWaves waves), each at least kPrefillMinSplitTiles
+// tiles long, and none unless the workspace holds the partials. A pure function of its arguments.
+PrefillPlan plan_prefill(const fp8kturbov_prefill_params_t& p, int multiprocessors, int ctas_per_sm,
+                         uint64_t workspace_bytes);
+
+}  // namespace fp8kturbov
