@@ -233,8 +233,10 @@ def paged_prefill_workspace_bytes(
     max_q_len: int, num_query_rows: int, k_block_stride_bytes: int = 0, sliding_window: int = 0,
     inv_sqrt_d: float = 1.0, k_scale: float = 1.0, soft_cap: float = 0.0, v_rotation: int = 0,
 ) -> int:
-    """Workspace BYTES for :func:`paged_prefill_attn` with these scalars on the current device (0 in this
-    version of the library). A host query: no synchronisation."""
+    """Workspace BYTES for :func:`paged_prefill_attn` with these scalars on the current device: the
+    partial rows of the context splits its plan takes where the query tiles alone leave the GPU short
+    of a wave (0 where it takes none). A host query (cached device attributes): no synchronisation.
+    A smaller workspace is allowed: the prefill then splits less, or not at all."""
     params = _params(
         PrefillParams, "fp8kturbov_prefill_params_init_sized",
         max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
