@@ -114,8 +114,10 @@ fn the_prefill_names_the_argument_at_fault() {
     // decode's.
     let longest_chunk = valid_prefill().num_seqs(1).max_q_len(4 * B).num_query_rows(4 * B);
     match no_gpu() {
-        Some(reason) => assert_eq!(paged_prefill_workspace_bytes(&longest_chunk).err().map(|e| e.status()),
-                                   Some(reason.status())),
+        Some(reason) => assert_eq!(
+            paged_prefill_workspace_bytes(&longest_chunk).err().map(|e| e.status()),
+            Some(reason.status())
+        ),
         None => assert!(paged_prefill_workspace_bytes(&longest_chunk).is_ok()),
     }
     let r = paged_prefill_workspace_bytes(&head_dim_512.num_seqs(1).max_q_len(1));
