@@ -1,0 +1,119 @@
+"""The prefill's split planner (cuda/src/plan/prefill_plan.cc), host-side: built from its source with a
+plain C++ compiler (tests/plan/prefill_plan_cli.cc), fed random prefills, and its plans checked against
+the rules the kernels and the workspace query rely on. Needs a C++ compiler (skipped otherwise); no
+GPU, no library."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = [REPO / "tests/plan/prefill_plan_cli.cc", REPO / "cuda/src/plan/prefill_plan.cc"]
+FIELDS = ("head_dim num_seqs num_q_heads num_kv_heads max_blocks_per_seq block_size max_q_len num_query_rows "
+          "multiprocessors ctas_per_sm workspace_bytes").split()
+# The planner's constants (cuda/src/plan/prefill_plan.h), as the rules below state them.
+QUERY_ROWS = 64
+MIN_SPLIT_TILES = 4
+MAX_SPLITS = 256
+MAX_WAVES = 2
+UINT64_MAX = 2**64 - 1
+
+
+def kv_tile(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+@pytest.fixture(scope="module")
+def planner(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp("prefill_plan") / "prefill_plan_cli"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'cuda/include'}",
+                    f"-I{REPO / 'cuda/src'}", *map(str, SOURCES), "-o", str(exe)], check=True, timeout=300)
+    return exe
+
+
+def plan_all(planner: Path, prefills: list[dict]) -> list[dict]:
+    text = "".join(" ".join(str(p[f]) for f in FIELDS) + "\n" for p in prefills)
+    out = subprocess.run([str(planner)], input=text, capture_output=True, text=True, check=True, timeout=60)
+    names = "num_splits split_positions needed_bytes tiles_per_seq".split()
+    return [dict(zip(names, map(int, line.split()))) for line in out.stdout.splitlines()]
+
+
+@st.composite
+def prefills(draw) -> dict:
+    kv = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    num_seqs = draw(st.one_of(st.integers(1, 4), st.integers(1, 256)))
+    block_size = draw(st.sampled_from([1, 8, 16, 32, 64]))
+    max_blocks = draw(st.integers(1, 8192))
+    max_q_len = draw(st.integers(1, min(max_blocks * block_size, 20000)))
+    return dict(head_dim=draw(st.sampled_from([64, 128, 256])), num_seqs=num_seqs,
+                num_q_heads=kv * draw(st.sampled_from([1, 2, 4, 8, 16])), num_kv_heads=kv,
+                max_blocks_per_seq=max_blocks, block_size=block_size, max_q_len=max_q_len,
+                num_query_rows=num_seqs * max_q_len, multiprocessors=draw(st.sampled_from([1, 8, 108, 132])),
+                ctas_per_sm=draw(st.integers(1, 4)),
+                workspace_bytes=draw(st.sampled_from([0, 4096, 1 << 20, 1 << 30, UINT64_MAX])))
+
+
+def check_plan(p: dict, plan: dict) -> None:
+    tile = kv_tile(p["head_dim"])
+    positions = p["max_blocks_per_seq"] * p["block_size"]
+    splits, split_positions = plan["num_splits"], plan["split_positions"]
+    group = p["num_q_heads"] // p["num_kv_heads"]
+    assert plan["tiles_per_seq"] == math.ceil(p["max_q_len"] * group / QUERY_ROWS)
+    assert plan["needed_bytes"] <= p["workspace_bytes"], "the plan needs more workspace than it has"
+    # Whole tiles per split, every position of a table row in one split, no split empty.
+    assert split_positions % tile == 0
+    assert (splits - 1) * split_positions < positions <= splits * split_positions
+    if splits == 1:
+        assert plan["needed_bytes"] == 0
+        return
+    base_ctas = p["num_seqs"] * plan["tiles_per_seq"] * p["num_kv_heads"]
+    slots = p["multiprocessors"] * p["ctas_per_sm"]
+    assert base_ctas < slots, "a grid that fills the device is not split"
+    assert splits <= MAX_SPLITS and split_positions >= MIN_SPLIT_TILES * tile
+    assert base_ctas * splits <= MAX_WAVES * slots, "more waves than the planner allows"
+    floats = splits * p["num_query_rows"] * p["num_q_heads"] * (p["head_dim"] + 1)
+    assert plan["needed_bytes"] == 4 * floats
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(prefills(), min_size=1, max_size=20))
+def test_plans_keep_the_kernels_rules(planner: Path, batch: list[dict]):
+    for p, plan in zip(batch, plan_all(planner, batch), strict=True):
+        check_plan(p, plan)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prefills())
+def test_the_workspace_a_plan_asks_for_gives_that_plan(planner: Path, p: dict):
+    """``paged_prefill_workspace_bytes`` plans with unlimited workspace and reports what that plan needs:
+    a prefill given exactly that much must plan the same, and with less (or none) it runs unsplit."""
+    [wanted] = plan_all(planner, [dict(p, workspace_bytes=UINT64_MAX)])
+    [given_exactly, given_less, given_none] = plan_all(
+        planner, [dict(p, workspace_bytes=wanted["needed_bytes"]),
+                  dict(p, workspace_bytes=max(wanted["needed_bytes"] - 1, 0)), dict(p, workspace_bytes=0)])
+    assert given_exactly == wanted
+    assert given_none["num_splits"] == 1 and given_none["needed_bytes"] == 0
+    if wanted["num_splits"] > 1:
+        assert given_less["num_splits"] == 1
+
+
+def test_short_chunks_over_long_contexts_split_and_long_chunks_do_not(planner: Path):
+    """The planner's purpose, on shapes whose answer is plain (32 query / 8 KV heads, head_dim 128, 132
+    multiprocessors of 3 CTAs): a 16-token chunk over 32K positions (8 CTAs) splits into one to two
+    waves' worth of CTAs; an 8192-token chunk (4096 CTAs) fills the device alone."""
+    common = dict(head_dim=128, num_seqs=1, num_q_heads=32, num_kv_heads=8, max_blocks_per_seq=2048, block_size=16,
+                  multiprocessors=132, ctas_per_sm=3, workspace_bytes=UINT64_MAX)
+    short, long = plan_all(planner, [dict(common, max_q_len=16, num_query_rows=16),
+                                     dict(common, max_q_len=8192, num_query_rows=8192)])
+    slots = 132 * 3
+    assert slots <= 8 * short["num_splits"] <= MAX_WAVES * slots and long["num_splits"] == 1
