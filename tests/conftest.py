@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -49,6 +50,13 @@ def widened_rows(tables: np.ndarray, width: int) -> np.ndarray:
     wide = np.full((tables.shape[0], width), np.iinfo(np.int32).max, dtype=np.int32)
     wide[:, :tables.shape[1]] = tables
     return wide
+
+
+def case_id(case) -> str:
+    """A dataclass test case's id: its fields that differ from their defaults, or "default"."""
+    fields = (f"{f.name}={getattr(case, f.name)}" for f in dataclasses.fields(case)
+              if getattr(case, f.name) != f.default)
+    return ",".join(fields) or "default"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

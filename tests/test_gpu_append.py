@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from conftest import relative_error_per_head, shuffled_block_tables
+from conftest import case_id, relative_error_per_head, shuffled_block_tables
 from fp8kturbov import CacheLayout, KVCache
 from fp8kturbov import reference as ref
 
@@ -48,9 +48,7 @@ class Case:
     checked: bool = False          # one row's slot past the pools: skipped and reported
 
     def __str__(self) -> str:
-        fields = (f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                  if getattr(self, f.name) != f.default)
-        return ",".join(fields) or "default"
+        return case_id(self)
 
 
 # A batch whose grid runs in several waves on any GPU (160 sequences x 8 KV heads, more CTAs than

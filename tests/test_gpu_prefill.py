@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import fp8kturbov
-from conftest import relative_error_per_head, shuffled_block_tables
+from conftest import case_id, relative_error_per_head, shuffled_block_tables
 from fp8kturbov import CacheLayout, KVCache
 from fp8kturbov import reference as ref
 from test_gpu_append import bf16_rows, slots_of, to_device, to_host
@@ -47,9 +47,7 @@ class Case:
     workspace: bool = True         # context splits where the plan takes them
 
     def __str__(self) -> str:
-        fields = (f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                  if getattr(self, f.name) != f.default)
-        return ",".join(fields) or "default"
+        return case_id(self)
 
 
 LONG, LONG_CHUNKS = (2000, 700, 5, 1), (16, 300, 5, 1)
