@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,6 +53,28 @@ def widened_rows(tables: np.ndarray, width: int) -> np.ndarray:
     wide = np.full((tables.shape[0], width), np.iinfo(np.int32).max, dtype=np.int32)
     wide[:, :tables.shape[1]] = tables
     return wide
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_filter(tmp_path_factory: pytest.TempPathFactory, name: str, sources: list) -> Path:
+    """A C++ filter program (tests/plan/*_cli.cc with the planner sources it tests) built with a
+    plain C++ compiler, strict warnings; the test is skipped where there is none."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp(name) / name
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'cuda/include'}",
+                    f"-I{REPO / 'cuda/src'}", *map(str, sources), "-o", str(exe)], check=True, timeout=300)
+    return exe
+
+
+def run_filter(exe: Path, inputs: list[dict], fields: list[str], names: list[str]) -> list[dict]:
+    """One input line per dict (its ``fields`` in order), one output dict per line (``names``)."""
+    text = "".join(" ".join(str(d[f]) for f in fields) + "\n" for d in inputs)
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True, timeout=60)
+    return [dict(zip(names, map(int, line.split()))) for line in out.stdout.splitlines()]
 
 
 def case_id(case) -> str:

@@ -5,15 +5,13 @@ kernels rely on. Needs a C++ compiler (skipped otherwise); no GPU, no library.""
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, build_filter, run_filter
 SOURCES = [REPO / "tests/plan/plan_cli.cc", REPO / "cuda/src/plan/decode_plan.cc"]
 FIELDS = ("v_bits head_dim num_seqs num_q_heads num_kv_heads max_blocks_per_seq block_size sliding_window "
           "max_q_len query_start rotation multiprocessors ctas_per_sm head_group_ctas_per_sm workspace_bytes").split()
@@ -31,20 +29,12 @@ UINT64_MAX = 2**64 - 1
 
 @pytest.fixture(scope="module")
 def planner(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("plan") / "plan_cli"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'cuda/include'}",
-                    f"-I{REPO / 'cuda/src'}", *map(str, SOURCES), "-o", str(exe)], check=True, timeout=300)
-    return exe
+    return build_filter(tmp_path_factory, "plan_cli", SOURCES)
 
 
 def plan_all(planner: Path, decodes: list[dict]) -> list[dict]:
-    text = "".join(" ".join(str(d[f]) for f in FIELDS) + "\n" for d in decodes)
-    out = subprocess.run([str(planner)], input=text, capture_output=True, text=True, check=True, timeout=60)
     names = "chunks_per_group num_splits split_tokens length_shares stream_partials needed_bytes tiles".split()
-    return [dict(zip(names, map(int, line.split()))) for line in out.stdout.splitlines()]
+    return run_filter(planner, decodes, FIELDS, names)
 
 
 def streams_per_cta(head_dim: int) -> int:

@@ -6,15 +6,13 @@ GPU, no library."""
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, build_filter, run_filter
 SOURCES = [REPO / "tests/plan/prefill_plan_cli.cc", REPO / "cuda/src/plan/prefill_plan.cc"]
 FIELDS = ("head_dim num_seqs num_q_heads num_kv_heads max_blocks_per_seq block_size max_q_len num_query_rows "
           "multiprocessors ctas_per_sm workspace_bytes").split()
@@ -32,20 +30,11 @@ def kv_tile(head_dim: int) -> int:
 
 @pytest.fixture(scope="module")
 def planner(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("prefill_plan") / "prefill_plan_cli"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'cuda/include'}",
-                    f"-I{REPO / 'cuda/src'}", *map(str, SOURCES), "-o", str(exe)], check=True, timeout=300)
-    return exe
+    return build_filter(tmp_path_factory, "prefill_plan_cli", SOURCES)
 
 
 def plan_all(planner: Path, prefills: list[dict]) -> list[dict]:
-    text = "".join(" ".join(str(p[f]) for f in FIELDS) + "\n" for p in prefills)
-    out = subprocess.run([str(planner)], input=text, capture_output=True, text=True, check=True, timeout=60)
-    names = "num_splits split_positions needed_bytes tiles_per_seq".split()
-    return [dict(zip(names, map(int, line.split()))) for line in out.stdout.splitlines()]
+    return run_filter(planner, prefills, FIELDS, "num_splits split_positions needed_bytes tiles_per_seq".split())
 
 
 @st.composite
