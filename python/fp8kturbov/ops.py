@@ -236,7 +236,7 @@ def paged_prefill_workspace_bytes(
     """Workspace BYTES for :func:`paged_prefill_attn` with these scalars on the current device: the
     partial rows of the context splits its plan takes where the query tiles alone leave the GPU short
     of a wave (0 where it takes none). A host query (cached device attributes): no synchronisation.
-    A smaller workspace is allowed: the prefill then splits less, or not at all."""
+    A smaller workspace is allowed: the prefill then runs unsplit."""
     params = _params(
         PrefillParams, "fp8kturbov_prefill_params_init_sized",
         max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,
