@@ -281,7 +281,8 @@ def paged_prefill(q: Any, cache: KVCache, block_tables: Any, seq_lens: Any, quer
     ``inv_sqrt_d``, ``sliding_window``, ``sinks``, ``soft_cap``, streams: as :func:`paged_decode`.
     ``workspace``: None, or any contiguous writable device array (its size in BYTES is passed) of the
     size :meth:`KVCache.prefill_workspace` gives: with it, short chunks over long contexts split the
-    context over the GPU; with less (or None) the prefill runs unsplit. Tensor cores (compute capability 8.0 or newer); head_dim 64, 128 or 256.
+    context over the GPU; with less (or None) the prefill runs unsplit. Tensor cores (compute
+    capability 8.0 or newer); head_dim 64, 128 or 256.
     """
     layout = open_cache(cache).layout
     if out is None:
