@@ -41,7 +41,7 @@ template <int BITS, int HEAD_DIM>
 struct PrefillTraits {
   static constexpr int kQueryRows = int(kPrefillQueryRows);
   static_assert(kQueryRows == 16 * kPrefillWarps, "16 rows per warp");
-  static constexpr int kKvTile = HEAD_DIM <= 128 ? 64 : 32;  // positions per tile
+  static constexpr int kKvTile = int(prefill_kv_tile(HEAD_DIM));  // positions per tile (the planner's)
   // Shared-memory rows of fp16 elements, padded by 16 bytes: the 8 rows of an ldmatrix matrix then
   // start in 8 different 16-byte bank groups.
   static constexpr int kPitch = HEAD_DIM + 8;
