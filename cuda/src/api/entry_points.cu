@@ -441,6 +441,38 @@ FastDivider fast_divider(uint32_t divisor) {
   return {uint32_t(multiplier), shift};
 }
 
+// The kernel arguments that the decode and the prefill share (DecodeArgs and PrefillArgs name them
+// alike), from validated params.
+template <typename Params, typename Args>
+void fill_attention_args(const Params& p, uint64_t k_block_stride_bytes, const IndexCheck& index_check, Args& args) {
+  const FastDivider divider = fast_divider(p.block_size);
+  args.q = static_cast<const uint16_t*>(p.q);
+  args.k_cache = static_cast<const uint8_t*>(p.k_cache);
+  args.v_cache = static_cast<const uint8_t*>(p.v_cache);
+  args.output = static_cast<uint16_t*>(p.output);
+  args.block_tables = p.block_tables;
+  args.seq_lens = p.seq_lens;
+  args.query_start = p.query_start;
+  args.max_blocks_per_seq = p.max_blocks_per_seq;
+  args.block_tables_stride = p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq;
+  args.num_seqs = p.num_seqs;
+  args.num_q_heads = p.num_q_heads;
+  args.num_kv_heads = p.num_kv_heads;
+  args.block_size = p.block_size;
+  args.block_size_multiplier = divider.multiplier;
+  args.block_size_shift = divider.shift;
+  args.score_scale = p.inv_sqrt_d * p.k_scale;
+  args.q_stride = p.q_stride;
+  args.k_block_stride_bytes = k_block_stride_bytes;
+  args.v_block_stride_bytes = p.v_block_stride_bytes;
+  args.v_data_section_bytes = p.v_data_section_bytes;
+  args.sliding_window = p.sliding_window;
+  args.sinks = p.sinks;
+  args.soft_cap = p.soft_cap;
+  args.rotated_v = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD;
+  args.index_check = index_check;
+}
+
 // Multiprocessors of the current device: a cached attribute read, no synchronisation.
 cudaError_t current_multiprocessors(int* count) {
   int device = 0;
@@ -489,40 +521,15 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   const cudaError_t query = query_decode_device(p, &device);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
   const DecodePlan plan = plan_decode(p, device, p.workspace_bytes);
-  const FastDivider divider = fast_divider(p.block_size);
   const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
 
   DecodeArgs args{};  // filled by field name
-  args.q = static_cast<const uint16_t*>(p.q);
-  args.k_cache = static_cast<const uint8_t*>(p.k_cache);
-  args.v_cache = static_cast<const uint8_t*>(p.v_cache);
-  args.output = static_cast<uint16_t*>(p.output);
-  args.block_tables = p.block_tables;
-  args.seq_lens = p.seq_lens;
-  args.max_blocks_per_seq = p.max_blocks_per_seq;
-  args.block_tables_stride = p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq;
-  args.num_seqs = p.num_seqs;
-  args.num_q_heads = p.num_q_heads;
-  args.num_kv_heads = p.num_kv_heads;
-  args.block_size = p.block_size;
-  args.block_size_multiplier = divider.multiplier;
-  args.block_size_shift = divider.shift;
-  args.score_scale = p.inv_sqrt_d * p.k_scale;
-  args.q_stride = p.q_stride;
-  args.k_block_stride_bytes = k_block_stride_bytes;
-  args.v_block_stride_bytes = p.v_block_stride_bytes;
-  args.v_data_section_bytes = p.v_data_section_bytes;
-  args.sliding_window = p.sliding_window;
+  fill_attention_args(p, k_block_stride_bytes, index_check, args);
   args.sparse_v_threshold = p.sparse_v_threshold;
   args.v_code_copy_bytes = decode_v_code_copy_bytes(reinterpret_cast<uintptr_t>(p.v_cache), p.v_block_stride_bytes,
                                                     v_data_section_bytes(1, row_elems, p.v_bits));
-  args.index_check = index_check;
-  args.sinks = p.sinks;
-  args.soft_cap = p.soft_cap;
-  args.query_start = p.query_start;
   args.max_q_len = p.query_start != nullptr ? query_rows_per_seq(p) : 1u;
   args.num_query_rows = p.query_start != nullptr ? p.num_query_rows : p.num_seqs;
-  args.rotated_v = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD;
   if (p.append_slot_mapping != nullptr) {
     AppendArgs& append = args.append;
     append.key = static_cast<const uint16_t*>(p.append_key);
@@ -652,41 +659,16 @@ fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_par
   PrefillPlan plan{};
   const cudaError_t query = plan_prefill_on_device(p, p.workspace_bytes, &plan);
   if (query != cudaSuccess) return report_cuda(query, entry, "device query");
-  const FastDivider divider = fast_divider(p.block_size);
 
   PrefillArgs args{};  // filled by field name
-  args.q = static_cast<const uint16_t*>(p.q);
-  args.k_cache = static_cast<const uint8_t*>(p.k_cache);
-  args.v_cache = static_cast<const uint8_t*>(p.v_cache);
-  args.output = static_cast<uint16_t*>(p.output);
+  fill_attention_args(p, k_block_stride_bytes, index_check, args);
   args.lse = p.lse;
-  args.block_tables = p.block_tables;
-  args.seq_lens = p.seq_lens;
-  args.query_start = p.query_start;
-  args.max_blocks_per_seq = p.max_blocks_per_seq;
-  args.block_tables_stride = p.block_tables_stride != 0 ? p.block_tables_stride : p.max_blocks_per_seq;
-  args.num_seqs = p.num_seqs;
-  args.num_q_heads = p.num_q_heads;
-  args.num_kv_heads = p.num_kv_heads;
   args.group_size = p.num_q_heads / p.num_kv_heads;
-  args.block_size = p.block_size;
-  args.block_size_multiplier = divider.multiplier;
-  args.block_size_shift = divider.shift;
-  args.score_scale = p.inv_sqrt_d * p.k_scale;
-  args.q_stride = p.q_stride;
   args.q_vector_loads = allows_vector_access(p.q, p.q_stride);
   args.output_vector_stores = is_aligned16(p.output);  // rows of num_q_heads * head_dim: multiples of 8
-  args.k_block_stride_bytes = k_block_stride_bytes;
-  args.v_block_stride_bytes = p.v_block_stride_bytes;
-  args.v_data_section_bytes = p.v_data_section_bytes;
-  args.sliding_window = p.sliding_window;
-  args.soft_cap = p.soft_cap;
-  args.sinks = p.sinks;
-  args.rotated_v = p.v_rotation == FP8KTURBOV_V_ROTATION_HADAMARD;
   args.max_q_len = p.max_q_len;
   args.num_query_rows = p.num_query_rows;
   args.tiles_per_seq = uint32_t(prefill_tiles_per_seq(p));
-  args.index_check = index_check;
   args.num_splits = plan.num_splits;
   args.split_positions = plan.split_positions;
   if (plan.num_splits > 1) {  // [partial rows][head_dim] floats, then a float per partial row
