@@ -473,6 +473,28 @@ void fill_attention_args(const Params& p, uint64_t k_block_stride_bytes, const I
   args.index_check = index_check;
 }
 
+// The launch of an attention instance as its entry reports it: NOT_SUPPORTED where the (v_bits,
+// head_dim) instance was not built, else the launch's own error.
+template <typename Params>
+fp8kturbov_status_t report_attention_launch(const char* entry, const Params& p, bool built, cudaError_t err) {
+  if (!built)
+    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
+                "v_bits = %u with head_dim = %u was not built (CMake options FP8KTURBOV_V_BITS, "
+                "FP8KTURBOV_HEAD_DIMS)",
+                p.v_bits, p.head_dim);
+  return report_launch(err, entry);
+}
+
+// The params without their pools: a workspace query validates the scalars alone, pointers not
+// being part of the question.
+template <typename Params>
+Params without_pools(const Params& p) {
+  Params scalars = p;
+  scalars.k_cache = nullptr;
+  scalars.v_cache = nullptr;
+  return scalars;
+}
+
 // Multiprocessors of the current device: a cached attribute read, no synchronisation.
 cudaError_t current_multiprocessors(int* count) {
   int device = 0;
@@ -547,12 +569,7 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
   }
   bool built = false;
   const cudaError_t err = dispatch_decode(p.v_bits, p.head_dim, args, plan, stream, &built);
-  if (!built)
-    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
-                "v_bits = %u with head_dim = %u was not built (CMake options FP8KTURBOV_V_BITS, "
-                "FP8KTURBOV_HEAD_DIMS)",
-                p.v_bits, p.head_dim);
-  return report_launch(err, entry);
+  return report_attention_launch(entry, p, built, err);
 }
 
 fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_decode_params_t& p,
@@ -560,12 +577,8 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
   g_last_error[0] = '\0';
   if (workspace_bytes == nullptr)
     return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "workspace_bytes is NULL");
-  // Pointers are not part of the question: validate the scalars alone.
-  fp8kturbov_decode_params_t scalars = p;
-  scalars.k_cache = nullptr;
-  scalars.v_cache = nullptr;
   uint64_t k_block_stride_bytes = 0;
-  FP8KTURBOV_CHECK(validate_decode(entry, scalars, &k_block_stride_bytes));
+  FP8KTURBOV_CHECK(validate_decode(entry, without_pools(p), &k_block_stride_bytes));
   *workspace_bytes = 0;
   if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
   DecodeDevice device;
@@ -677,12 +690,7 @@ fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_par
   }
   bool built = false;
   const cudaError_t err = dispatch_prefill(p.v_bits, p.head_dim, args, stream, &built);
-  if (!built)
-    return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
-                "v_bits = %u with head_dim = %u was not built (CMake options FP8KTURBOV_V_BITS, "
-                "FP8KTURBOV_HEAD_DIMS)",
-                p.v_bits, p.head_dim);
-  return report_launch(err, entry);
+  return report_attention_launch(entry, p, built, err);
 }
 
 fp8kturbov_status_t prefill_workspace_impl(const char* entry, const fp8kturbov_prefill_params_t& p,
@@ -690,12 +698,8 @@ fp8kturbov_status_t prefill_workspace_impl(const char* entry, const fp8kturbov_p
   g_last_error[0] = '\0';
   if (workspace_bytes == nullptr)
     return fail(FP8KTURBOV_STATUS_NULL_POINTER, entry, "workspace_bytes is NULL");
-  // Pointers are not part of the question: validate the scalars alone.
-  fp8kturbov_prefill_params_t scalars = p;
-  scalars.k_cache = nullptr;
-  scalars.v_cache = nullptr;
   uint64_t k_block_stride_bytes = 0;
-  FP8KTURBOV_CHECK(validate_prefill(entry, scalars, &k_block_stride_bytes));
+  FP8KTURBOV_CHECK(validate_prefill(entry, without_pools(p), &k_block_stride_bytes));
   *workspace_bytes = 0;
   if (p.num_seqs == 0 || p.max_q_len == 0) return FP8KTURBOV_STATUS_SUCCESS;
   FP8KTURBOV_CHECK(check_prefill_device(entry));
