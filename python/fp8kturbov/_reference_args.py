@@ -1,5 +1,5 @@
 """The NumPy reference's argument rules (`reference`): those of the C entry points
-(cuda/src/api/entry_points.cu), in their words, after the C-type range checks of the Python
+(cuda/src/api/*_entries.cu, checks.cu), in their words, after the C-type range checks of the Python
 package (`_scalars`); each rule is written once and called by every entry that has it."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _MAX_Q_HEADS = 65535
 
 
 # ---------------------------------------------------------------------------------------------------
-# Argument rules: those of the C entry points (cuda/src/api/entry_points.cu), in their words, after the
+# Argument rules: those of the C entry points (cuda/src/api/*_entries.cu), in their words, after the
 # C-type range checks of the Python package (`_scalars`: an integer that its uint32_t / uint64_t holds,
 # a number that float32 holds); each rule is written once and called by every entry that has it.
 # ---------------------------------------------------------------------------------------------------
