@@ -14,9 +14,9 @@
 # fails the flavour and the script.
 #
 # Environment:
-#   FP8KTURBOV_CUDA_ARCHITECTURES  architectures (CMake syntax); default: sm_80, sm_86, sm_89, sm_90,
+#   FP8KTURBOV_CUDA_ARCHITECTURES  architectures (CMake syntax); default: sm_80, sm_86, sm_89, sm_90a,
 #                                  sm_100, sm_120 and PTX of sm_120; a toolkit older than 12.8 (which
-#                                  cannot build sm_100/sm_120) up to sm_90 and PTX of sm_90
+#                                  cannot build sm_100/sm_120) up to sm_90a and PTX of sm_90
 #   FP8KTURBOV_CUDA12_HOME         a CUDA 12 toolkit (bin/nvcc, include/, lib64/libcudart_static.a);
 #                                  else /usr/local/cuda-12*, else Debian's 12.4 assembled by
 #                                  ci/cuda12-toolkit.sh into FP8KTURBOV_CUDA12_CACHE
@@ -53,8 +53,8 @@ else
   build_commit="$(git -C "$repo" describe --always --dirty --exclude='*')"
 fi
 export FP8KTURBOV_BUILD_COMMIT="$build_commit"
-default_archs="80-real;86-real;89-real;90-real;100-real;120"
-before_12_8_archs="80-real;86-real;89-real;90-real;90"  # sm_100/sm_120 need 12.8: PTX of sm_90 for them
+default_archs="80-real;86-real;89-real;90a-real;100-real;120"
+before_12_8_archs="80-real;86-real;89-real;90a-real;90-virtual"  # sm_100/sm_120 need 12.8: PTX of sm_90 for them
 
 say() { printf '\n== %s\n' "$*"; }
 fail() { printf 'ERROR: %s\n' "$*" >&2; return 1; }

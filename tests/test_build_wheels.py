@@ -105,6 +105,6 @@ def _script_lists() -> dict[str, str]:
 
 def test_the_default_lists_are_the_wheels_promised():
     lists = {name: fatbin_archs.expected(value) for name, value in _script_lists().items()}
-    cuda12 = {"sm_80", "sm_86", "sm_89", "sm_90", "compute_90"}
+    cuda12 = {"sm_80", "sm_86", "sm_89", "sm_90a", "compute_90"}
     assert lists == {"default_archs": cuda12 - {"compute_90"} | {"sm_100", "sm_120", "compute_120"},
                      "before_12_8_archs": cuda12}

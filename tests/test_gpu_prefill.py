@@ -62,11 +62,18 @@ CASES = [
     Case(sinks=True), Case(soft_cap=20.0, bits=2), Case(sinks=True, soft_cap=5.0, head_dim=256, window=50),
     Case(rotation=True), Case(rotation=True, head_dim=256, bits=2, sinks=True),
     Case(checked=True), Case(q_row_pad=24, bits=4, head_dim=64),
+    # Chunks of at most 64 query rows (max_q_len x group): the 64-row kernel also where a 9.0 device
+    # takes the warp-specialised one for longer chunks.
+    *(Case(**{"bits": b, "head_dim": d, "seq_lens": (15, 40, 17, 1), "q_lens": (15, 16, 3, 1), **options})
+      for b, d, options in ((2, 64, dict(sinks=True)), (4, 128, dict(rotation=True, soft_cap=20.0)),
+                            (3, 128, dict(window=9, block_size=8)), (3, 64, dict(group=8, q_lens=(8, 5, 3, 1))),
+                            (2, 256, dict(sinks=True, rotation=True)))),
     # Short chunks over long contexts: the plan splits the context, a merge combines the splits.
-    *(Case(bits=b, head_dim=d, seq_lens=LONG, q_lens=LONG_CHUNKS, **options)
+    *(Case(**{"bits": b, "head_dim": d, "seq_lens": LONG, "q_lens": LONG_CHUNKS, **options})
       for b, d, options in ((2, 64, {}), (3, 128, {}), (4, 256, {}), (3, 128, dict(workspace=False)),
                             (3, 128, dict(sinks=True, soft_cap=10.0)), (2, 128, dict(rotation=True, window=300)),
-                            (4, 256, dict(rotation=True, sinks=True)), (3, 64, dict(checked=True, group=8)))),
+                            (4, 256, dict(rotation=True, sinks=True)), (3, 64, dict(checked=True, group=8)),
+                            (3, 128, dict(q_lens=(16, 16, 5, 1))))),
 ]
 
 

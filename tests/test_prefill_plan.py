@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from conftest import REPO, build_filter, run_filter
 SOURCES = [REPO / "tests/plan/prefill_plan_cli.cc", REPO / "cuda/src/plan/prefill_plan.cc"]
 FIELDS = ("head_dim num_seqs num_q_heads num_kv_heads max_blocks_per_seq block_size max_q_len num_query_rows "
-          "multiprocessors ctas_per_sm workspace_bytes").split()
+          "multiprocessors ctas_per_sm workspace_bytes query_rows").split()
 # The planner's constants (cuda/src/plan/prefill_plan.h), as the rules below state them.
-QUERY_ROWS = 64
+QUERY_ROWS = (64, 128)  # rows per CTA: the 64-row kernel, the warp-specialised one
 MIN_SPLIT_TILES = 4
 MAX_SPLITS = 256
 MAX_WAVES = 2
@@ -49,7 +49,8 @@ def prefills(draw) -> dict:
                 max_blocks_per_seq=max_blocks, block_size=block_size, max_q_len=max_q_len,
                 num_query_rows=num_seqs * max_q_len, multiprocessors=draw(st.sampled_from([1, 8, 108, 132])),
                 ctas_per_sm=draw(st.integers(1, 4)),
-                workspace_bytes=draw(st.sampled_from([0, 4096, 1 << 20, 1 << 30, UINT64_MAX])))
+                workspace_bytes=draw(st.sampled_from([0, 4096, 1 << 20, 1 << 30, UINT64_MAX])),
+                query_rows=draw(st.sampled_from(QUERY_ROWS)))
 
 
 def check_plan(p: dict, plan: dict) -> None:
@@ -57,7 +58,7 @@ def check_plan(p: dict, plan: dict) -> None:
     positions = p["max_blocks_per_seq"] * p["block_size"]
     splits, split_positions = plan["num_splits"], plan["split_positions"]
     group = p["num_q_heads"] // p["num_kv_heads"]
-    assert plan["tiles_per_seq"] == math.ceil(p["max_q_len"] * group / QUERY_ROWS)
+    assert plan["tiles_per_seq"] == math.ceil(p["max_q_len"] * group / p["query_rows"])
     assert plan["needed_bytes"] <= p["workspace_bytes"], "the plan needs more workspace than it has"
     # Whole tiles per split, every position of a table row in one split, no split empty.
     assert split_positions % tile == 0
@@ -101,7 +102,7 @@ def test_short_chunks_over_long_contexts_split_and_long_chunks_do_not(planner: P
     multiprocessors of 3 CTAs): a 16-token chunk over 32K positions (8 CTAs) splits into one to two
     waves' worth of CTAs; an 8192-token chunk (4096 CTAs) fills the device alone."""
     common = dict(head_dim=128, num_seqs=1, num_q_heads=32, num_kv_heads=8, max_blocks_per_seq=2048, block_size=16,
-                  multiprocessors=132, ctas_per_sm=3, workspace_bytes=UINT64_MAX)
+                  multiprocessors=132, ctas_per_sm=3, workspace_bytes=UINT64_MAX, query_rows=64)
     short, long = plan_all(planner, [dict(common, max_q_len=16, num_query_rows=16),
                                      dict(common, max_q_len=8192, num_query_rows=8192)])
     slots = 132 * 3

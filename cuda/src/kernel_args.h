@@ -211,6 +211,8 @@ struct PrefillArgs {
   uint32_t max_q_len;
   uint32_t num_query_rows;
   uint32_t tiles_per_seq;  // query tiles of the longest chunk: the grid's x is num_seqs of them
+  uint32_t query_tile_rows;  // rows of a query tile: kPrefillQueryRows, or kPrefillWsQueryRows
+  bool warp_specialized;     // the sm_90a kernel (prefill/kernel_ws.cuh) runs the tiles
   IndexCheck index_check;
   // The split plan (plan/prefill_plan.h): with num_splits > 1 the CTAs of split s attend positions
   // [s·split_positions, (s + 1)·split_positions) and write their normalised rows to partial_o
@@ -227,7 +229,7 @@ cudaError_t launch_paged_prefill(const PrefillArgs& args, cudaStream_t stream);
 
 // Resident prefill CTAs per multiprocessor of `device` (the current device), for the planner.
 template <int BITS, int HEAD_DIM>
-cudaError_t prefill_ctas_per_sm(int device, int* count);
+cudaError_t prefill_ctas_per_sm(int device, bool warp_specialized, int* count);
 
 // Resident decode CTAs per multiprocessor of `device` (the current device), for the planner: of
 // the default kernel, or with `head_groups` of the head-group kernel (0 where it is not built).

@@ -379,16 +379,25 @@ fp8kturbov_status_t validate_prefill(const char* entry, const fp8kturbov_prefill
 // The plan of a validated prefill on the current device with `workspace_bytes` of workspace: cached
 // attribute and occupancy queries, no synchronisation.
 cudaError_t plan_prefill_on_device(const fp8kturbov_prefill_params_t& p, uint64_t workspace_bytes, PrefillPlan* plan) {
-  int device = 0, multiprocessors = 0, ctas_per_sm = 1;
+  int device = 0, multiprocessors = 0, ctas_per_sm = 1, major = 0, minor = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = current_multiprocessors(&multiprocessors);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  // The warp-specialised kernel runs where this library holds sm_90a code (FP8KTURBOV_PREFILL_WS,
+  // from the architecture list) and the device is 9.0, the only one that code runs on, and only for
+  // chunks of more than one 64-row tile: a chunk that fills one (16 tokens of 4 query heads) would
+  // leave half of its 128 rows empty and took 2-41 % longer there than the 64-row kernel.
+  const bool warp_specialized =
+      FP8KTURBOV_PREFILL_WS && major == 9 && minor == 0 && prefill_tiles_per_seq(p) > 1;
 #define FP8KTURBOV_PREFILL_CASE(BITS, HEAD_DIM) \
   if (err == cudaSuccess && p.v_bits == BITS && p.head_dim == HEAD_DIM) \
-    err = prefill_ctas_per_sm<BITS, HEAD_DIM>(device, &ctas_per_sm);
+    err = prefill_ctas_per_sm<BITS, HEAD_DIM>(device, warp_specialized, &ctas_per_sm);
 #include "dispatch_prefill.inc"
 #undef FP8KTURBOV_PREFILL_CASE
   if (err != cudaSuccess) return err;
-  *plan = plan_prefill(p, multiprocessors, ctas_per_sm, workspace_bytes);
+  *plan = plan_prefill(p, multiprocessors, ctas_per_sm, workspace_bytes,
+                       warp_specialized ? kPrefillWsQueryRows : kPrefillQueryRows);
   return cudaSuccess;
 }
 
@@ -428,7 +437,9 @@ fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_par
   args.output_vector_stores = is_aligned16(p.output);  // rows of num_q_heads * head_dim: multiples of 8
   args.max_q_len = p.max_q_len;
   args.num_query_rows = p.num_query_rows;
-  args.tiles_per_seq = uint32_t(prefill_tiles_per_seq(p));
+  args.tiles_per_seq = uint32_t(prefill_tiles_per_seq(p, plan.query_rows));
+  args.query_tile_rows = plan.query_rows;
+  args.warp_specialized = plan.query_rows == kPrefillWsQueryRows;
   args.num_splits = plan.num_splits;
   args.split_positions = plan.split_positions;
   if (plan.num_splits > 1) {  // [partial rows][head_dim] floats, then a float per partial row

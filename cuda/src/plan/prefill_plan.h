@@ -7,10 +7,16 @@
 #include "fp8kturbov.h"
 #include "plan/host_device.h"
 
+#ifndef FP8KTURBOV_PREFILL_WS  // 1 where the architecture list holds sm_90a code (CMakeLists.txt)
+#define FP8KTURBOV_PREFILL_WS 0
+#endif
+
 namespace fp8kturbov {
 
-// Query rows ((token, query head) pairs of one KV head) per prefill CTA: the grid's tiles.
+// Query rows ((token, query head) pairs of one KV head) per prefill CTA, the grid's tiles: 64 for the
+// mma.sync kernel, 128 for the warp-specialised wgmma kernel (two consumer warpgroups).
 constexpr uint32_t kPrefillQueryRows = 64;
+constexpr uint32_t kPrefillWsQueryRows = 128;
 // The largest head_dim the prefill is built for (its CTA's tiles in shared memory).
 constexpr uint32_t kPrefillMaxHeadDim = 256;
 constexpr uint32_t kPrefillMinSplitTiles = 4;  // no split shorter than this many tiles of positions
@@ -20,10 +26,10 @@ constexpr uint64_t kPrefillMaxWaves = 2;       // splits add CTAs up to this man
 // Positions per tile of a prefill CTA's loop (its K and V tiles in shared memory).
 FP8KTURBOV_HOST_DEVICE constexpr uint32_t prefill_kv_tile(uint32_t head_dim) { return head_dim <= 128 ? 64 : 32; }
 
-// Query tiles of the longest chunk: the prefill grid's tiles per sequence.
-inline uint64_t prefill_tiles_per_seq(const fp8kturbov_prefill_params_t& p) {
+// Query tiles of the longest chunk, of `tile_rows` rows: the prefill grid's tiles per sequence.
+inline uint64_t prefill_tiles_per_seq(const fp8kturbov_prefill_params_t& p, uint32_t tile_rows = kPrefillQueryRows) {
   const uint64_t rows = uint64_t(p.max_q_len) * (p.num_q_heads / p.num_kv_heads);
-  return (rows + kPrefillQueryRows - 1) / kPrefillQueryRows;
+  return (rows + tile_rows - 1) / tile_rows;
 }
 
 // How a prefill is split over CTAs: each (query tile, KV head) takes num_splits CTAs, split s
@@ -33,6 +39,7 @@ inline uint64_t prefill_tiles_per_seq(const fp8kturbov_prefill_params_t& p) {
 struct PrefillPlan {
   uint32_t num_splits;
   uint32_t split_positions;  // a multiple of the tile (prefill_kv_tile)
+  uint32_t query_rows;       // per CTA: kPrefillQueryRows, or kPrefillWsQueryRows (warp-specialised)
 };
 
 // Workspace bytes of a plan: [num_splits][num_query_rows][num_q_heads] rows of head_dim floats (the
@@ -44,10 +51,11 @@ inline uint64_t prefill_workspace_bytes(const PrefillPlan& plan, uint32_t num_qu
 }
 
 // The plan of a validated prefill on a device of `multiprocessors` with `ctas_per_sm` resident CTAs
-// each, with `workspace_bytes` of workspace: splits where the unsplit grid leaves the device short
-// of a wave, as many as fill it (up to kPrefillMaxWaves waves), each at least kPrefillMinSplitTiles
-// tiles long, and none unless the workspace holds the partials. A pure function of its arguments.
+// each, with `workspace_bytes` of workspace, for CTAs of `query_rows` rows: splits where the
+// unsplit grid leaves the device short of a wave, as many as fill it (up to kPrefillMaxWaves
+// waves), each at least kPrefillMinSplitTiles tiles long, and none unless the workspace holds the
+// partials. A pure function of its arguments.
 PrefillPlan plan_prefill(const fp8kturbov_prefill_params_t& p, int multiprocessors, int ctas_per_sm,
-                         uint64_t workspace_bytes);
+                         uint64_t workspace_bytes, uint32_t query_rows = kPrefillQueryRows);
 
 }  // namespace fp8kturbov

@@ -1,8 +1,8 @@
 // The prefill's merge: the splits' partial rows of each (query row, head) combined by their
 // log-denominators, sinks joining the denominator, rotated back where V was rotated (FORMAT §6),
 // stored as bf16 with the row's log-denominator. Its grid is the prefill's (query tiles of a
-// sequence by KV heads) with kPrefillMergeCtasPerTile CTAs per tile, a warp per row, so that it
-// merges exactly the rows the prefill computed.
+// sequence by KV heads) with query_tile_rows / kPrefillWarps CTAs per tile, a warp per row, so that
+// it merges exactly the rows the prefill computed.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,8 +16,6 @@
 
 namespace fp8kturbov {
 
-// Merge CTAs per prefill CTA: a warp per query row, so that many rows' partials are in flight.
-constexpr int kPrefillMergeCtasPerTile = int(kPrefillQueryRows) / kPrefillWarps;
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_merge_kernel(const PrefillArgs a) {
@@ -30,7 +28,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_merge_kernel(co
   int q_len;
   if (!sequence_query_rows(a, seq, row0, q_len)) return;  // skipped by the prefill too (it reports)
   const int group = int(a.group_size);
-  const int flat = int(tile) * int(kPrefillQueryRows) + int(blockIdx.z) * kPrefillWarps + int(warp);
+  const int flat = int(tile) * int(a.query_tile_rows) + int(blockIdx.z) * kPrefillWarps + int(warp);
   const int token = flat / group;
   if (token >= q_len) return;  // a row the prefill did not compute
   const uint32_t head = blockIdx.y * uint32_t(group) + uint32_t(flat % group);

@@ -1,0 +1,211 @@
+// The paged prefill kernel on sm_90a with its warpgroups specialised: one producer warpgroup copies
+// each tile's raw bytes (cp.async) and dequantizes them into fp16 K and V tiles in wgmma's blocked
+// layout, a ring of kBuffers of them; kConsumers consumer warpgroups, 64 query rows each, multiply
+// them with wgmma (Q·Kᵀ from shared memory, P·V with P from registers) and keep the online softmax.
+// The producer dequantizes tile t + 1 while the consumers multiply tile t, and one dequantized tile
+// serves all kConsumers · 64 rows. The hand-over is by named barriers per buffer: FULL(b) (the
+// producer arrives, the consumers wait) and EMPTY(b) (the consumers arrive, the producer waits).
+// Each buffer's n-th FULL completes before its (n+1)-th arrival and each EMPTY likewise, since the
+// other side must pass the one before. (compute-sanitizer's racecheck does not follow such
+// bar.arrive → bar.sync hand-overs: it reports the same hazards for two warps that pass one buffer
+// back and forth that way.)
+// The work, copies, dequantization, softmax and finish are prefill/phases.cuh's.
+#pragma once
+
+#include <cstdint>
+
+#include "prefill/phases.cuh"
+#include "prefill/wgmma.cuh"
+#include "reshape_and_cache.cuh"  // load_codebook
+
+namespace fp8kturbov {
+
+template <int BITS, int HEAD_DIM>
+struct PrefillWsTraits {
+  using Base = PrefillTileTraits<BITS, HEAD_DIM>;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kQueryRows = 64 * kConsumers;
+  static_assert(kQueryRows == int(kPrefillWsQueryRows), "the planner's tiles");
+  static constexpr int kKvTile = Base::kKvTile;
+  static constexpr int kGroups = Base::kGroups;
+  // A ring of two: the producer fills one while the consumers multiply the other.
+  static constexpr int kBuffers = 2;
+  // Registers per thread: kEntryRegisters at launch (ptxas gives a kernel with setmaxnreg all that
+  // __launch_bounds__ allows), then the producer's dequantization in fewer and the consumers' scores
+  // beside their output rows (128 of them at head_dim 256) in more, the producer's release paying.
+  static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = 88;
+  static constexpr int kConsumerRegisters = 208;
+  static_assert(128 * (kEntryRegisters - kProducerRegisters) == 128 * kConsumers * (kConsumerRegisters - kEntryRegisters),
+                "the producer's release pays for the consumers' claims");
+  static constexpr int kTileBytes = kKvTile * HEAD_DIM * 2;  // one fp16 K (or V) tile, blocked
+  static constexpr int kOutputPitch = HEAD_DIM + 4;
+  struct Tile {
+    alignas(128) uint8_t k[kTileBytes];
+    alignas(128) uint8_t v[kTileBytes];
+    bool position_ok[kKvTile];
+  };
+  struct Shared {
+    union {
+      struct {
+        alignas(128) uint8_t q[kQueryRows * HEAD_DIM * 2];  // each consumer's 64 rows, blocked
+        Tile tiles[kBuffers];
+      } work;
+      alignas(16) float o[kQueryRows][kOutputPitch];  // the epilogue's normalised rows
+    };
+    typename Base::Stage stages[2];
+    CodebookTable<BITS> codebook;
+    float q_absmax[kConsumers][4];
+  };
+  // Named barriers (0 is __syncthreads).
+  static constexpr int kProducerBarrier = 1;
+  static constexpr int kConsumerBarrier = 2;                      // + consumer: its warpgroup
+  static constexpr int kConsumersBarrier = kConsumerBarrier + kConsumers;  // all consumers
+  static constexpr int kFullBarrier = kConsumersBarrier + 1;      // + buffer
+  static constexpr int kEmptyBarrier = kFullBarrier + kBuffers;   // + buffer
+  static_assert(kEmptyBarrier + kBuffers <= 16, "16 named barriers");
+};
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// A warpgroup's registers per thread from here on (setmaxnreg): the producer gives some back to the
+// CTA's pool, the consumers take them from it (and wait until they are there).
+template <int REGISTERS>
+__device__ __forceinline__ void release_registers() {
+#if FP8KTURBOV_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+#endif
+}
+template <int REGISTERS>
+__device__ __forceinline__ void claim_registers() {
+#if FP8KTURBOV_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+#endif
+}
+
+template <int BITS, int HEAD_DIM>
+__global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
+    paged_prefill_ws_kernel(const PrefillArgs a) {
+#if FP8KTURBOV_WGMMA
+  using T = PrefillWsTraits<BITS, HEAD_DIM>;
+  using B = typename T::Base;
+  extern __shared__ __align__(128) uint8_t prefill_ws_smem[];
+  typename T::Shared& sh = *reinterpret_cast<typename T::Shared*>(prefill_ws_smem);
+  const uint32_t tid = threadIdx.x, role = tid / 128, wtid = tid % 128;  // role 0: the producer
+  const uint32_t warp = wtid / 32, lane = tid % 32;
+
+  PrefillWork w;
+  if (!prefill_work<T::kQueryRows, T::kKvTile>(a, tid == 0, w)) return;  // CTA-uniform
+  load_codebook<BITS>(sh.codebook);  // the last CTA-wide barrier: the roles part here
+
+  if (role == 0) {
+    // ==== The producer: copies and dequantization =================================================
+    release_registers<T::kProducerRegisters>();
+    const PrefillTileCopy<BITS, HEAD_DIM> copier(a, w, int(wtid));
+    if (w.num_tiles > 0) copier.copy(sh.stages[0], w.first_tile0, copier.page(w.first_tile0));
+    int32_t next_page = copier.page(w.first_tile0 + T::kKvTile);
+    for (int t = 0; t < w.num_tiles; ++t) {
+      const int tile0 = w.first_tile0 + t * T::kKvTile, stage = t & 1, buffer = t % T::kBuffers;
+      copy_async_wait<0>();
+      named_barrier_sync(T::kProducerBarrier, 128);  // the stage landed; the other one is free
+      if (t + 1 < w.num_tiles) {
+        copier.copy(sh.stages[stage ^ 1], tile0 + T::kKvTile, next_page);
+        next_page = copier.page(tile0 + 2 * T::kKvTile);
+      }
+      // The consumers are done with tile t - kBuffers, the buffer's last tenant.
+      if (t >= T::kBuffers) named_barrier_sync(T::kEmptyBarrier + buffer, T::kThreads);
+      const typename B::Stage& st = sh.stages[stage];
+      typename T::Tile& out = sh.work.tiles[buffer];
+#pragma unroll
+      for (int i = int(wtid); i < T::kKvTile * T::kGroups; i += 128) {
+        int p, g;
+        blocked_item<T::kGroups>(i, p, g);
+        if (g == 0) out.position_ok[p] = st.position_ok[p];
+        uint32_t k_words[8], v_words[8];
+        dequantize_group<BITS, HEAD_DIM>(st, sh.codebook, p, g, k_words, v_words);
+        store_blocked_group<HEAD_DIM>(out.k, p, g, k_words);
+        store_blocked_group<HEAD_DIM>(out.v, p, g, v_words);
+      }
+      fence_shared_for_wgmma();  // the tiles, for the products' reads
+      named_barrier_arrive(T::kFullBarrier + buffer, T::kThreads);
+    }
+    return;
+  }
+
+  // ==== A consumer: 64 rows, the products and the softmax =============================================
+  claim_registers<T::kConsumerRegisters>();
+  const int consumer = int(role) - 1;
+  const int row_base = consumer * 64;  // its rows in the CTA's tile
+  const int warp_row0 = row_base + int(warp) * 16;
+  const int consumer_barrier = T::kConsumerBarrier + consumer;
+  uint8_t* const q_tile = sh.work.q + consumer * 64 * HEAD_DIM * 2;
+  const PrefillRow rows[2] = {prefill_row(a, w, warp_row0 + int(lane) / 4),
+                              prefill_row(a, w, warp_row0 + int(lane) / 4 + 8)};
+
+  // ---- Q: the consumer's rows, fp16 scaled by a power of two (its own gain) ---------------------------
+  float q_absmax = query_warp_absmax<HEAD_DIM, 128>(a, w, row_base, 64, int(wtid));
+  if (lane == 0) sh.q_absmax[consumer][warp] = q_absmax;
+  named_barrier_sync(consumer_barrier, 128);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q_absmax = fmaxf(q_absmax, sh.q_absmax[consumer][i]);
+  const float q_gain = query_gain(q_absmax);
+  stage_query<HEAD_DIM, 128>(a, w, row_base, 64, int(wtid), q_gain, [&](int r, int c, uint4 chunk) {
+    *reinterpret_cast<uint4*>(q_tile + blocked_offset<HEAD_DIM>(r - row_base, c * 8)) = chunk;
+  });
+  fence_shared_for_wgmma();
+  named_barrier_sync(consumer_barrier, 128);  // Q complete before the warpgroup's products read it
+  const PrefillScoreMap score_map(a, q_gain);
+
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+  float o[B::kOutputTiles][4];
+#pragma unroll
+  for (int j = 0; j < B::kOutputTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;  // 8 rows (positions) of the blocked layout
+  const uint32_t q_address = shared_address(q_tile);
+
+  for (int t = 0; t < w.num_tiles; ++t) {
+    const int tile0 = w.first_tile0 + t * T::kKvTile, buffer = t % T::kBuffers;
+    named_barrier_sync(T::kFullBarrier + buffer, T::kThreads);  // the producer's tile t
+    const typename T::Tile& tl = sh.work.tiles[buffer];
+    const bool masked = tile_needs_mask<T::kKvTile>(tile_positions_ok<T::kKvTile>(tl.position_ok, lane), rows, tile0);
+    // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows -------------------------------------------------
+    float s[B::kScoreTiles][4];
+    const uint32_t k_address = shared_address(tl.k);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+      wgmma_ss_kk<T::kKvTile>(s, matrix_descriptor(q_address + ks * 256, 128, kRowBlockBytes),
+                              matrix_descriptor(k_address + ks * 256, 128, kRowBlockBytes), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    prefill_softmax(s, o, m, l, score_map, masked, tl.position_ok, rows, tile0, lane);
+    // ---- values: O += P·V ------------------------------------------------------------------------------
+    const uint32_t v_address = shared_address(tl.v);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T::kKvTile / 16; ++kk) {
+      uint32_t p_frag[4];
+      weight_fragments(s, kk, p_frag);
+      wgmma_rs_mn<HEAD_DIM>(o, p_frag, matrix_descriptor(v_address + kk * 2 * kRowBlockBytes, kRowBlockBytes, 128));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    // The buffer is free for tile t + kBuffers, where the producer has one to put there.
+    if (t + T::kBuffers < w.num_tiles) named_barrier_arrive(T::kEmptyBarrier + buffer, T::kThreads);
+  }
+
+  // ---- Finish: normalised rows in shared memory, then the store -----------------------------------------
+  named_barrier_sync(T::kConsumersBarrier, 128 * T::kConsumers);  // every consumer is done with the tiles
+  finish_rows<HEAD_DIM, T::kOutputPitch>(a, w, o, m, l, rows, sh.o, warp_row0, lane);
+  named_barrier_sync(consumer_barrier, 128);  // the warpgroup's rows are in
+  store_rows<HEAD_DIM, T::kOutputPitch, 128>(a, w, sh.o, row_base, 64, int(wtid));
+#endif
+}
+
+}  // namespace fp8kturbov
