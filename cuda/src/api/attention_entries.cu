@@ -37,11 +37,7 @@ cudaError_t dispatch_decode(uint32_t bits, uint32_t head_dim, const DecodeArgs& 
 // also resolves the K page stride (0 = packed).
 template <typename Params>
 fp8kturbov_status_t validate_attention(const char* entry, const Params& p, uint64_t* k_block_stride_bytes) {
-  if (!is_supported_v_bits(p.v_bits))
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", p.v_bits);
-  if (p.head_dim == 0 || p.head_dim % kGroupElems != 0)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "head_dim = %u is not a positive multiple of 16", p.head_dim);
+  FP8KTURBOV_CHECK(check_width(entry, p.v_bits, p.head_dim));
   if (!is_supported_head_dim(p.head_dim))
     return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
                 "head_dim = %u is not supported (64, 128, 256, 512)", p.head_dim);

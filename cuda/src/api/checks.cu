@@ -75,6 +75,14 @@ fp8kturbov_status_t check_pool_extent(const char* entry, const char* pool, const
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
+fp8kturbov_status_t check_width(const char* entry, uint32_t v_bits, uint32_t head_dim) {
+  if (!is_supported_v_bits(v_bits))
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", v_bits);
+  if (head_dim == 0 || head_dim % kGroupElems != 0)
+    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "head_dim = %u is not a positive multiple of 16", head_dim);
+  return FP8KTURBOV_STATUS_SUCCESS;
+}
+
 fp8kturbov_status_t check_v_encoder(const char* entry, uint32_t v_encoder) {
   if (v_encoder != FP8KTURBOV_V_ENCODER_MATCHED_NORM && v_encoder != FP8KTURBOV_V_ENCODER_MSE &&
       v_encoder != FP8KTURBOV_V_ENCODER_PROJECTION)

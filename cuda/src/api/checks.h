@@ -22,6 +22,9 @@ fp8kturbov_status_t check_alignment(const char* entry, const char* name, const v
 // Whether bf16 rows at `rows`, `stride` elements apart, allow 16-byte accesses.
 bool allows_vector_access(const void* rows, uint64_t stride);
 
+// The cache width of any entry: V bits 2, 3 or 4 and a head_dim of whole 16-element groups.
+fp8kturbov_status_t check_width(const char* entry, uint32_t v_bits, uint32_t head_dim);
+
 // The K and V page layout (FORMAT §2, §3).
 fp8kturbov_status_t check_pool_layout(const char* entry, uint32_t block_size, uint64_t row_elems, uint32_t bits,
                                       const void* k_cache, uint64_t k_block_stride_bytes,

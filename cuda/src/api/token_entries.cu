@@ -18,11 +18,7 @@ namespace {
 // the same fields; sets *row_elems.
 template <typename Params>
 fp8kturbov_status_t check_token_rows(const char* entry, const Params& p, uint64_t* row_elems) {
-  if (!is_supported_v_bits(p.v_bits))
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "v_bits = %u is not 2, 3 or 4", p.v_bits);
-  if (p.head_dim == 0 || p.head_dim % kGroupElems != 0)
-    return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry,
-                "head_dim = %u is not a positive multiple of 16", p.head_dim);
+  FP8KTURBOV_CHECK(check_width(entry, p.v_bits, p.head_dim));
   if (p.num_kv_heads == 0)
     return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "num_kv_heads = 0");
   if (p.block_size == 0) return fail(FP8KTURBOV_STATUS_INVALID_VALUE, entry, "block_size = 0");
