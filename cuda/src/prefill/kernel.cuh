@@ -141,16 +141,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
 #pragma unroll
     for (int j = 0; j < T::kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     if constexpr (kPrefillWgmma) {
-      // The warpgroup's 64 rows at once; Q and K both K-major (head_dim the reduced dimension).
-      constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;  // 8 rows of the blocked layout
-      const uint32_t q_address = shared_address(sh.blocked.q), k_address = shared_address(sh.blocked.k);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
-        wgmma_ss_kk<T::kKvTile>(s, matrix_descriptor(q_address + ks * 256, 128, kRowBlockBytes),
-                                matrix_descriptor(k_address + ks * 256, 128, kRowBlockBytes), ks > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
+      // The warpgroup's 64 rows at once.
+      wgmma_scores<T::kKvTile, HEAD_DIM>(s, shared_address(sh.blocked.q), shared_address(sh.blocked.k));
     } else {
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {

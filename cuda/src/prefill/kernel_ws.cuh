@@ -176,14 +176,7 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
     const bool masked = tile_needs_mask<T::kKvTile>(tile_positions_ok<T::kKvTile>(tl.position_ok, lane), rows, tile0);
     // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows -------------------------------------------------
     float s[B::kScoreTiles][4];
-    const uint32_t k_address = shared_address(tl.k);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
-      wgmma_ss_kk<T::kKvTile>(s, matrix_descriptor(q_address + ks * 256, 128, kRowBlockBytes),
-                              matrix_descriptor(k_address + ks * 256, 128, kRowBlockBytes), ks > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_scores<T::kKvTile, HEAD_DIM>(s, q_address, shared_address(tl.k));
     prefill_softmax(s, o, m, l, score_map, masked, tl.position_ok, rows, tile0, lane);
     // ---- values: O += P·V ------------------------------------------------------------------------------
     const uint32_t v_address = shared_address(tl.v);

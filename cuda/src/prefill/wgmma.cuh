@@ -124,5 +124,18 @@ __device__ __forceinline__ void wgmma_rs_mn<256>(float (&d)[32][4], const uint32
 #endif
 }
 
+// S = Q·Kᵀ of a warpgroup's 64 query rows and N positions, issued and waited for: the Q and K tiles
+// K-major in the blocked layout (blocks of 8 rows, HEAD_DIM · 16 bytes; head_dim the reduced dimension).
+template <int N, int HEAD_DIM>
+__device__ __forceinline__ void wgmma_scores(float (&s)[N / 8][4], uint32_t q_address, uint32_t k_address) {
+  constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+    wgmma_ss_kk<N>(s, matrix_descriptor(q_address + ks * 256, 128, kRowBlockBytes),
+                   matrix_descriptor(k_address + ks * 256, 128, kRowBlockBytes), ks > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
 
 }  // namespace fp8kturbov
