@@ -163,17 +163,13 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     prefill_softmax(s, o, m, l, score_map, masked, st.position_ok, rows, tile0, lane);
 
     // ---- 5. values: O += P·V (P's accumulator fragments are the A fragments of 16 positions) ------
-    // (wgmma: V MN-major, head_dim contiguous, positions the reduced dimension.)
-    if constexpr (kPrefillWgmma) wgmma_fence();
+    if constexpr (kPrefillWgmma) {
+      wgmma_values<HEAD_DIM>(o, s, shared_address(sh.blocked.v));  // done before the next tile's stores overwrite V
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < T::kKvTile / 16; ++kk) {
-      uint32_t p_frag[4];
-      weight_fragments(s, kk, p_frag);
-      if constexpr (kPrefillWgmma) {
-        constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;  // 8 positions of the blocked layout
-        wgmma_rs_mn<HEAD_DIM>(
-            o, p_frag, matrix_descriptor(shared_address(sh.blocked.v) + kk * 2 * kRowBlockBytes, kRowBlockBytes, 128));
-      } else {
+      for (int kk = 0; kk < T::kKvTile / 16; ++kk) {
+        uint32_t p_frag[4];
+        weight_fragments(s, kk, p_frag);
 #pragma unroll
         for (int j = 0; j < T::kOutputTiles; j += 2) {
           uint32_t v_frag[4];  // n-tiles j and j + 1, each its two k halves
@@ -183,10 +179,6 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
           mma_16x8x16(o[j + 1], p_frag, v_frag[2], v_frag[3]);
         }
       }
-    }
-    if constexpr (kPrefillWgmma) {
-      wgmma_commit();
-      wgmma_wait<0>();  // before the next tile's stores overwrite V and its rescale touches o
     }
   }
 

@@ -166,7 +166,6 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
   float o[B::kOutputTiles][4];
 #pragma unroll
   for (int j = 0; j < B::kOutputTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;  // 8 rows (positions) of the blocked layout
   const uint32_t q_address = shared_address(q_tile);
 
   for (int t = 0; t < w.num_tiles; ++t) {
@@ -179,16 +178,7 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
     wgmma_scores<T::kKvTile, HEAD_DIM>(s, q_address, shared_address(tl.k));
     prefill_softmax(s, o, m, l, score_map, masked, tl.position_ok, rows, tile0, lane);
     // ---- values: O += P·V ------------------------------------------------------------------------------
-    const uint32_t v_address = shared_address(tl.v);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < T::kKvTile / 16; ++kk) {
-      uint32_t p_frag[4];
-      weight_fragments(s, kk, p_frag);
-      wgmma_rs_mn<HEAD_DIM>(o, p_frag, matrix_descriptor(v_address + kk * 2 * kRowBlockBytes, kRowBlockBytes, 128));
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_values<HEAD_DIM>(o, s, shared_address(tl.v));
     // The buffer is free for tile t + kBuffers, where the producer has one to put there.
     if (t + T::kBuffers < w.num_tiles) named_barrier_arrive(T::kEmptyBarrier + buffer, T::kThreads);
   }

@@ -16,7 +16,6 @@
 
 namespace fp8kturbov {
 
-
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_merge_kernel(const PrefillArgs a) {
   constexpr int kElems = HEAD_DIM / 32;  // a lane's elements of a row: ELEMS·lane + e
