@@ -211,8 +211,7 @@ struct PrefillArgs {
   uint32_t max_q_len;
   uint32_t num_query_rows;
   uint32_t tiles_per_seq;  // query tiles of the longest chunk: the grid's x is num_seqs of them
-  uint32_t query_tile_rows;  // rows of a query tile: kPrefillQueryRows, or kPrefillWsQueryRows
-  bool warp_specialized;     // the sm_90a kernel (prefill/kernel_ws.cuh) runs the tiles
+  uint32_t query_tile_rows;  // kPrefillQueryRows, or kPrefillWsQueryRows: the sm_90a kernel (prefill/kernel_ws.cuh)
   IndexCheck index_check;
   // The split plan (plan/prefill_plan.h): with num_splits > 1 the CTAs of split s attend positions
   // [s·split_positions, (s + 1)·split_positions) and write their normalised rows to partial_o

@@ -56,6 +56,6 @@ inline uint64_t prefill_workspace_bytes(const PrefillPlan& plan, uint32_t num_qu
 // waves), each at least kPrefillMinSplitTiles tiles long, and none unless the workspace holds the
 // partials. A pure function of its arguments.
 PrefillPlan plan_prefill(const fp8kturbov_prefill_params_t& p, int multiprocessors, int ctas_per_sm,
-                         uint64_t workspace_bytes, uint32_t query_rows = kPrefillQueryRows);
+                         uint64_t workspace_bytes, uint32_t query_rows);
 
 }  // namespace fp8kturbov

@@ -1,5 +1,5 @@
 // The prefill's launches: one CTA per (query tile of a sequence's chunk, KV head, context split),
-// of the mma.sync kernel or (sm_90a, PrefillArgs::warp_specialized) the warp-specialised wgmma
+// of the mma.sync kernel or (sm_90a, tiles of kPrefillWsQueryRows) the warp-specialised wgmma
 // kernel, then, with splits, the merge kernel over the same tiles.
 #pragma once
 
@@ -37,7 +37,7 @@ cudaError_t prefill_kernel(bool warp_specialized, PrefillKernel* kernel) {
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_prefill(const PrefillArgs& args, cudaStream_t stream) {
   PrefillKernel kernel{};
-  cudaError_t err = prefill_kernel<BITS, HEAD_DIM>(args.warp_specialized, &kernel);
+  cudaError_t err = prefill_kernel<BITS, HEAD_DIM>(args.query_tile_rows == kPrefillWsQueryRows, &kernel);
   if (err != cudaSuccess) return err;
   // < 2^31, <= 65535 and <= kPrefillMaxSplits: validated and planned
   const dim3 grid(args.num_seqs * args.tiles_per_seq, args.num_kv_heads, args.num_splits);
