@@ -10,6 +10,8 @@
 //     rotated back where V was rotated, and the store as bf16 rows (fp32 partials with splits).
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -317,7 +319,11 @@ struct PrefillScoreMap {
     outer = (capped ? a.soft_cap : score_scale) * kLog2e;
     inner = capped ? score_scale / a.soft_cap : 1.0f;
   }
-  __device__ __forceinline__ float operator()(float s) const { return capped ? outer * soft_cap_tanh(s * inner) : s * outer; }
+  template <bool CAPPED>
+  __device__ __forceinline__ float apply(float s) const {
+    if constexpr (CAPPED) return outer * soft_cap_tanh(s * inner);
+    return s * outer;
+  }
 };
 
 // Whether every position of a tile is on a page inside the pools, from its `position_ok` in shared
@@ -348,21 +354,31 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[SCORE_TILES][4], floa
                                                 const bool* position_ok, const PrefillRow (&rows)[2], int tile0,
                                                 uint32_t lane) {
   float tile_max[2] = {-INFINITY, -INFINITY};
+  // The mask and the soft cap are the warp's choices for the whole tile: one loop each, so that a
+  // tile which needs neither runs without their instructions.
+  const auto map_scores = [&](auto masked_c, auto capped_c) {
 #pragma unroll
-  for (int j = 0; j < SCORE_TILES; ++j) {
+    for (int j = 0; j < SCORE_TILES; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = map(s[j][e]);
-      if (masked) {
-        const int col = j * 8 + 2 * int(lane % 4) + (e & 1);
-        const PrefillRow& row = rows[e / 2];
-        const int pos = tile0 + col;
-        if (!(position_ok[col] && pos >= row.begin && pos < row.end)) x = -INFINITY;
+      for (int e = 0; e < 4; ++e) {
+        float x = map.template apply<decltype(capped_c)::value>(s[j][e]);
+        if constexpr (decltype(masked_c)::value) {
+          const int col = j * 8 + 2 * int(lane % 4) + (e & 1);
+          const PrefillRow& row = rows[e / 2];
+          const int pos = tile0 + col;
+          if (!(position_ok[col] && pos >= row.begin && pos < row.end)) x = -INFINITY;
+        }
+        s[j][e] = x;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
       }
-      s[j][e] = x;
-      tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
     }
-  }
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
+  if (masked)
+    map.capped ? map_scores(yes{}, yes{}) : map_scores(yes{}, no{});
+  else
+    map.capped ? map_scores(no{}, yes{}) : map_scores(no{}, no{});
   float correction[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
