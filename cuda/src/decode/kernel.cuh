@@ -482,10 +482,7 @@ __global__ void __launch_bounds__(kDecodeThreads, (decode_min_ctas_per_sm<BITS, 
     // The level-pair table, while the first tiles are in flight: its reads (the codebook table, from
     // L2 at a CTA's start) overlap theirs; the CTA barrier makes it, and the query in q_s, visible to
     // every warp.
-    for (int i = tid; i < LevelPairs::kWords; i += kDecodeThreads) {
-      const int e = i / LevelPairs::kCopies;
-      level_pair_s[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
-    }
+    fill_level_pairs<BITS, LevelPairs::kCopies>(level_pair_s, tid, kDecodeThreads);
     __syncthreads();
 
     using Rows = MmaRows<S::kKRowBytes == 128>;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "decode/ptx.cuh"  // half2_bits
 #include "format.cuh"
 
 namespace fp8kturbov {
@@ -106,6 +107,17 @@ struct LevelPairTable {
   static constexpr int kEntryShift = kCopies == 32 ? 7 : 2;  // byte offset of entry e in copy 0: e << kEntryShift
   static_assert(4 * kCopies == 1 << kEntryShift, "entries are kCopies words apart");
 };
+
+// Fills COPIES copies of the level-pair table (entry e = a | b << BITS: level[a] in the low half,
+// level[b] in the high half, as fp16, which FORMAT §3.4 allows) with `threads` threads of the CTA,
+// this one being `thread`; the CTA barrier before the table is read is the caller's.
+template <int BITS, int COPIES>
+__device__ __forceinline__ void fill_level_pairs(uint32_t* words, int thread, int threads) {
+  for (int i = thread; i < (1 << (2 * BITS)) * COPIES; i += threads) {
+    const int e = i / COPIES;
+    words[i] = half2_bits(kCodebookTable<BITS>.levels[e & ((1 << BITS) - 1)], kCodebookTable<BITS>.levels[e >> BITS]);
+  }
+}
 
 // Byte offset in copy 0 of the level-pair table of the pair of field f in a pair-index word.
 template <int BITS, int HEAD_DIM>

@@ -22,7 +22,6 @@
 #include "prefill/mma.cuh"
 #include "prefill/phases.cuh"
 #include "prefill/wgmma.cuh"
-#include "reshape_and_cache.cuh"  // load_codebook
 
 namespace fp8kturbov {
 
@@ -54,7 +53,7 @@ struct PrefillTraits : PrefillTileTraits<BITS, HEAD_DIM> {
       alignas(16) float o[kQueryRows][kOutputPitch];  // the epilogue's normalised rows
     };
     typename Tiles::Stage stages[2];
-    CodebookTable<BITS> codebook;
+    PrefillLevelPairs<BITS, 1> level_pairs;  // one copy: three CTAs per SM leave no room for more
     float q_absmax[kPrefillWarps];
   };
 };
@@ -81,7 +80,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
   // ---- Q: the tile's rows into shared memory as fp16, scaled by a power of two ----------------------
   float q_absmax = query_warp_absmax<HEAD_DIM, kPrefillThreads>(a, w, 0, T::kQueryRows, int(tid));
   if (lane == 0) sh.q_absmax[warp] = q_absmax;
-  load_codebook<BITS>(sh.codebook);  // a CTA barrier: the warps' maxima are in
+  fill_level_pairs<BITS, decltype(sh.level_pairs)::kCopies>(sh.level_pairs.words, int(tid), kPrefillThreads);
+  __syncthreads();  // the warps' maxima and the level pairs are in
 #pragma unroll
   for (int i = 0; i < kPrefillWarps; ++i) q_absmax = fmaxf(q_absmax, sh.q_absmax[i]);
   const float q_gain = query_gain(q_absmax);
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
       if constexpr (kPrefillWgmma) blocked_item<T::kGroups>(i, p, g);
       tile_ok = tile_ok && st.position_ok[p];
       uint32_t k_words[8], v_words[8];
-      dequantize_group<BITS, HEAD_DIM>(st, sh.codebook, p, g, k_words, v_words);
+      dequantize_group<BITS, HEAD_DIM>(st, sh.level_pairs, 0u, p, g, k_words, v_words);
       if constexpr (kPrefillWgmma) {
         store_blocked_group<HEAD_DIM>(sh.blocked.k, p, g, k_words);
         store_blocked_group<HEAD_DIM>(sh.blocked.v, p, g, v_words);

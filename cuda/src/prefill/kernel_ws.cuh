@@ -14,9 +14,9 @@
 
 #include <cstdint>
 
+#include "decode/v_codes.cuh"  // LevelPairTable
 #include "prefill/phases.cuh"
 #include "prefill/wgmma.cuh"
-#include "reshape_and_cache.cuh"  // load_codebook
 
 namespace fp8kturbov {
 
@@ -41,6 +41,8 @@ struct PrefillWsTraits {
                 "the producer's release pays for the consumers' claims");
   static constexpr int kTileBytes = kKvTile * HEAD_DIM * 2;  // one fp16 K (or V) tile, blocked
   static constexpr int kOutputPitch = HEAD_DIM + 4;
+  // A copy of the level pairs per producer lane where the table is small enough (decode/v_codes.cuh).
+  static constexpr int kLevelPairCopies = LevelPairTable<BITS, HEAD_DIM>::kCopies;
   struct Tile {
     alignas(128) uint8_t k[kTileBytes];
     alignas(128) uint8_t v[kTileBytes];
@@ -55,7 +57,7 @@ struct PrefillWsTraits {
       alignas(16) float o[kQueryRows][kOutputPitch];  // the epilogue's normalised rows
     };
     typename Base::Stage stages[2];
-    CodebookTable<BITS> codebook;
+    PrefillLevelPairs<BITS, kLevelPairCopies> level_pairs;
     float q_absmax[kConsumers][4];
   };
   // Named barriers (0 is __syncthreads).
@@ -101,7 +103,8 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
 
   PrefillWork w;
   if (!prefill_work<T::kQueryRows, T::kKvTile>(a, tid == 0, w)) return;  // CTA-uniform
-  load_codebook<BITS>(sh.codebook);  // the last CTA-wide barrier: the roles part here
+  fill_level_pairs<BITS, decltype(sh.level_pairs)::kCopies>(sh.level_pairs.words, int(tid), T::kThreads);
+  __syncthreads();  // the last CTA-wide barrier: the roles part here
 
   if (role == 0) {
     // ==== The producer: copies and dequantization =================================================
@@ -127,7 +130,7 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
         blocked_item<T::kGroups>(i, p, g);
         if (g == 0) out.position_ok[p] = st.position_ok[p];
         uint32_t k_words[8], v_words[8];
-        dequantize_group<BITS, HEAD_DIM>(st, sh.codebook, p, g, k_words, v_words);
+        dequantize_group<BITS, HEAD_DIM>(st, sh.level_pairs, lane % T::kLevelPairCopies, p, g, k_words, v_words);
         store_blocked_group<HEAD_DIM>(out.k, p, g, k_words);
         store_blocked_group<HEAD_DIM>(out.v, p, g, v_words);
       }

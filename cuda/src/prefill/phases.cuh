@@ -22,6 +22,7 @@
 #include "decode/ranges.cuh"
 #include "decode/softmax_state.cuh"  // exp2_fast, soft_cap_tanh
 #include "decode/traits.cuh"         // kLog2e
+#include "decode/v_codes.cuh"        // fill_level_pairs
 #include "format.cuh"
 #include "kernel_args.h"
 #include "plan/prefill_plan.h"
@@ -270,12 +271,22 @@ __device__ __forceinline__ void blocked_item(int i, int& p, int& g) {
   g = (q + quarter % GROUPS) % GROUPS;
 }
 
+// V's levels for the dequantization as fp16 pairs, in the decode's level-pair table
+// (decode/v_codes.cuh: fill_level_pairs): one load gives two neighbouring elements, whose codes'
+// 2·BITS bits are the entry. COPIES copies side by side, a thread reading copy lane % COPIES.
+template <int BITS, int COPIES>
+struct PrefillLevelPairs {
+  static constexpr int kCopies = COPIES;
+  uint32_t words[(1 << (2 * BITS)) * COPIES];
+};
+
 // Position p's group g from the staged bytes as fp16 pairs: K's E4M3 bytes (exact), and V's
-// level[code]·scale (every V value lies in fp16's normal range).
-template <int BITS, int HEAD_DIM>
+// level[code]·scale, a level pair times the scale (E4M3, exact in fp16) in one fp16 product (every
+// V value lies in fp16's normal range). `copy`: the thread's copy of the level pairs (lane % COPIES).
+template <int BITS, int HEAD_DIM, int COPIES>
 __device__ __forceinline__ void dequantize_group(const typename PrefillTileTraits<BITS, HEAD_DIM>::Stage& st,
-                                                 const CodebookTable<BITS>& codebook, int p, int g,
-                                                 uint32_t (&k_words)[8], uint32_t (&v_words)[8]) {
+                                                 const PrefillLevelPairs<BITS, COPIES>& level_pairs, uint32_t copy,
+                                                 int p, int g, uint32_t (&k_words)[8], uint32_t (&v_words)[8]) {
   const uint4 kb = *reinterpret_cast<const uint4*>(&st.k[p][g * kGroupElems]);
   e4m3x4_to_half2x2_bits(kb.x, k_words[0], k_words[1]);
   e4m3x4_to_half2x2_bits(kb.y, k_words[2], k_words[3]);
@@ -287,12 +298,14 @@ __device__ __forceinline__ void dequantize_group(const typename PrefillTileTrait
   const uint16_t* halves = reinterpret_cast<const uint16_t*>(&st.codes[p][g * 2 * BITS]);
 #pragma unroll
   for (int j = 0; j < BITS; ++j) codes |= uint64_t(halves[j]) << (16 * j);
-  const float scale = e4m3_decode(st.scales[p][g]);
+  const uint32_t scale_byte = st.scales[p][g];
+  const uint32_t scales = e4m3x2_to_half2_bits(scale_byte | (scale_byte << 8));
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const float lo = codebook.levels[(codes >> (BITS * 2 * j)) & ((1u << BITS) - 1)];
-    const float hi = codebook.levels[(codes >> (BITS * (2 * j + 1))) & ((1u << BITS) - 1)];
-    v_words[j] = half2_bits(__fmul_rn(lo, scale), __fmul_rn(hi, scale));
+    const uint32_t e = uint32_t(codes >> (2 * BITS * j)) & ((1u << (2 * BITS)) - 1);
+    const uint32_t levels = level_pairs.words[e * COPIES + copy];
+    const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&levels), *reinterpret_cast<const __half2*>(&scales));
+    v_words[j] = *reinterpret_cast<const uint32_t*>(&v);
   }
 }
 
