@@ -36,7 +36,6 @@ from test_transformers_integration import (DECODE_TOLERANCE, ONE_LAYER_CASES, co
                                            readme_example, relative_error, twin_models)
 
 from fp8kturbov.integrations import transformers as fkt  # noqa: E402
-from fp8kturbov.integrations._dense import chunk_attention  # noqa: E402
 from fp8kturbov.integrations._paged_batch import PagedBatch  # noqa: E402
 from fp8kturbov.integrations._pools import KernelPools, PoolSpec, ReferencePools  # noqa: E402
 
@@ -92,11 +91,11 @@ def test_kernel_pools_match_reference_pools(v_bits, rotation, encoder):
         for got_rows, want_rows in zip(cuda.read(step.query_slots), cpu.read(step.query_slots)):
             torch.testing.assert_close(got_rows.cpu(), want_rows, rtol=0, atol=0)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-        if q_len > 1:  # the prefill path over the kernels' dequantize, for the first sequence
-            k, v = cuda.read(step.sequence_slots(0, 0))
-            dense = chunk_attention(q[:q_len].cuda(), k, v, rotated=rotation == "hadamard",
-                                    **{**options, "sinks": sinks.cuda()}).float().cpu()
-            torch.testing.assert_close(dense, want[:q_len], rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+        if q_len > 1:  # the prefill paths over what the decode's append wrote: the kernel's, the reference's
+            paged = cuda.prefill(q.cuda(), step, **{**options, "sinks": sinks.cuda()}).float().cpu()
+            dense = cpu.prefill(q, step, **options).float()
+            for got_prefill in (paged, dense):
+                torch.testing.assert_close(got_prefill, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("family, config", ONE_LAYER_CASES,

@@ -1,5 +1,6 @@
-"""Attention of a long chunk of new tokens over dequantised K and V (until a paged prefill kernel
-exists), with the decode's options: GQA, sliding window, soft cap, sinks, V kept rotated.
+"""Attention of a long chunk of new tokens over dequantised K and V, with the decode's options:
+GQA, sliding window, soft cap, sinks, V kept rotated. The CPU pools' prefill (the NumPy reference
+has no paged prefill of its own); CUDA pools call the library's paged prefill.
 
 The inputs are what the decode reads: the bf16 K and V that ``dequantize`` gives and the query
 rounded to bf16; the output is rounded to bf16 as the decode's is. Query rows are taken in
@@ -10,11 +11,33 @@ elements at once.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
+
+from ._paged_batch import Step
 
 #: The most float32 scores one chunk of query rows may hold (256 MiB).
 SCORE_BUDGET_ELEMS = 1 << 26
+
+
+def prefill_over_dequantized(read: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]], q_rows: torch.Tensor,
+                             step: Step, *, rotated: bool, sliding_window: int, **options: Any) -> torch.Tensor:
+    """The step's chunks (``q_rows``: its query rows, ``[rows, Hq, D]``), each sequence over its
+    positions dequantised by ``read(slots)`` (from the window's first position on)."""
+    out = torch.empty(q_rows.shape, dtype=torch.bfloat16, device=q_rows.device)
+    starts, lengths = step.query_start, step.seq_lens
+    for s in range(len(lengths)):
+        begin, end = int(starts[s]), int(starts[s + 1])
+        if begin == end:
+            continue
+        first = max(0, int(lengths[s]) - (end - begin) - sliding_window + 1) if sliding_window else 0
+        key, value = read(step.sequence_slots(s, first))
+        out[begin:end] = chunk_attention(q_rows[begin:end], key.to(q_rows.device), value.to(q_rows.device),
+                                         sliding_window=sliding_window, rotated=rotated, **options)
+    return out
 
 
 def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float,

@@ -2,9 +2,9 @@
 through the NumPy reference (bit-exact to them by design).
 
 `KernelPools` keeps a :class:`~fp8kturbov.KVCache` of torch pools on the tensors' device and calls
-`write_kv`, `paged_decode` and `dequantize_kv`; `ReferencePools` keeps NumPy pools and calls
-`reference.write_cache`, `reference.paged_decode` and `reference.dequantize_cache` (slow, for tiny
-models and tests). Both take and return torch tensors and grow their pools as the batch's pages
+`write_kv`, `paged_decode`, `paged_prefill` and `dequantize_kv`; `ReferencePools` keeps NumPy pools
+and calls `reference.write_cache`, `reference.paged_decode` and `reference.dequantize_cache`, its
+prefill attending over the dequantised positions (slow, for tiny models and tests). Both take and return torch tensors and grow their pools as the batch's pages
 grow (`fp8kturbov.integrations._paged_batch`). `pools_for` picks one by the tensors' device.
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .._limits import DEFAULT_SPARSE_V_THRESHOLD
+from ._dense import prefill_over_dequantized
 from ._paged_batch import Step
 
 
@@ -64,7 +65,7 @@ class KernelPools:
     def __init__(self, spec: PoolSpec, k_scale: float, device: torch.device) -> None:
         self.spec, self.k_scale, self.device = spec, k_scale, device
         self.cache: Any = None
-        self._workspace: tuple[tuple[int, ...], Any] | None = None
+        self._workspaces: dict[str, tuple[tuple[int, ...], Any]] = {}
 
     @property
     def num_pages(self) -> int:
@@ -112,11 +113,27 @@ class KernelPools:
             step_array(step, self.device, "seq_lens", torch.int32), inv_sqrt_d=scaling, sliding_window=sliding_window,
             sparse_v_threshold=self.spec.sparse_v_threshold, soft_cap=soft_cap,
             sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
-            workspace=self._workspace_for(q.shape[1], step, sliding_window, max_q_len),
+            workspace=self._workspace_for("decode", q.shape[1], step, sliding_window, max_q_len),
             query_start=step_array(step, self.device, "query_start", torch.int32) if multi else None,
             max_q_len=max_q_len if multi else None, append_key=key.to(torch.bfloat16).contiguous(),
             append_value=value.to(torch.bfloat16).contiguous(),
             append_slot_mapping=step_array(step, self.device, "query_slots", torch.int64), v_encoder=self.spec.v_encoder)
+
+    def prefill(self, q: torch.Tensor, step: Step, *, scaling: float, sliding_window: int, soft_cap: float,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        """The step's chunks (``q``: its query rows), written to the cache before, attending it:
+        one launch of the paged prefill."""
+        from .. import paged_prefill
+
+        max_q_len = step.max_new_tokens
+        return paged_prefill(
+            q.to(torch.bfloat16).contiguous(), self.cache,
+            step_array(step, self.device, "block_tables", torch.int32),
+            step_array(step, self.device, "seq_lens", torch.int32),
+            step_array(step, self.device, "query_start", torch.int32), max_q_len=max_q_len, inv_sqrt_d=scaling,
+            sliding_window=sliding_window, soft_cap=soft_cap,
+            sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
+            workspace=self._workspace_for("prefill", q.shape[1], step, sliding_window, max_q_len, q.shape[0]))
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from .. import dequantize_kv
@@ -136,15 +153,21 @@ class KernelPools:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
 
 
-    def _workspace_for(self, num_q_heads: int, step: Step, sliding_window: int,
-                       max_q_len: int) -> Any:
-        """The decode's workspace for this shape, kept while the shape stays (a new one each time
-        the table gains a page column)."""
-        shape = (len(step.seq_lens), num_q_heads, step.block_tables.shape[1], sliding_window,
-                 max_q_len)
-        if self._workspace is None or self._workspace[0] != shape:
-            self._workspace = (shape, self.cache.decode_workspace(*shape))
-        return self._workspace[1]
+    def _workspace_for(self, op: str, num_q_heads: int, step: Step, sliding_window: int, max_q_len: int,
+                       *rows: int) -> Any:
+        """The workspace of ``op`` ("decode" or "prefill", whose shape adds the query rows) for this
+        shape, kept while the shape stays (a new one each time the table gains a page column)."""
+        table_width = step.block_tables.shape[1]
+        if op == "decode":
+            shape = (len(step.seq_lens), num_q_heads, table_width, sliding_window, max_q_len)
+            make = self.cache.decode_workspace
+        else:
+            shape = (len(step.seq_lens), num_q_heads, table_width, max_q_len, *rows, sliding_window)
+            make = self.cache.prefill_workspace
+        kept = self._workspaces.get(op)
+        if kept is None or kept[0] != shape:
+            kept = self._workspaces[op] = (shape, make(*shape))
+        return kept[1]
 
 
 class ReferencePools:
@@ -213,6 +236,13 @@ class ReferencePools:
             sinks=None if sinks is None else sinks.detach().float().numpy(), soft_cap=soft_cap,
             rotation=self.spec.v_rotation == "hadamard", **self.layout_args)
         return torch.from_numpy(out).to(torch.bfloat16)  # the kernels' output type
+
+    def prefill(self, q: torch.Tensor, step: Step, *, scaling: float, sliding_window: int, soft_cap: float,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        """As `KernelPools.prefill`, over the positions the reference dequantises."""
+        return prefill_over_dequantized(self.read, q, step, rotated=self.spec.v_rotation == "hadamard",
+                                        scaling=scaling, sliding_window=sliding_window, soft_cap=soft_cap,
+                                        sinks=sinks)
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec

@@ -11,9 +11,10 @@
 `Fp8kturbovCache` keeps each attention layer's K and V in pages of this library's format: FP8 K,
 2/3/4-bit V (``v_bits``, per layer), the write's V encoder and rotation. The model's attention
 (`fp8kturbov_attention`) writes the new tokens, then attends: one new token per sequence through
-the paged decode, 2-16 through the multi-token decode, longer chunks (prefill) over the
-dequantised cache (`fp8kturbov.integrations._dense`). CUDA tensors go through the kernels, CPU
-tensors through the NumPy reference (bit-exact to them, slow: for tiny models and tests).
+the paged decode, 2-16 through the multi-token decode (the write inside it), longer chunks
+(prefill) through the paged prefill. CUDA tensors go through the kernels, CPU tensors through the
+NumPy reference (bit-exact to them, slow: for tiny models and tests; its prefill attends over the
+dequantised cache, `fp8kturbov.integrations._dense`).
 
 K scale. ``k_scale`` (a float, a list per layer, a function of the layer index, or None) is each
 layer's FP8 scale; None calibrates it from the real keys of the layer's first write (the prompt):
@@ -43,7 +44,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .._lib import VEncoder
 from ..planning import calibrate_k_scale
-from ._dense import chunk_attention
 from ._model_layers import (DECODE_HEAD_DIMS, SERVED_LAYER_TYPES, LayerShape, PerLayer,
                             UnsupportedLayerError, attention_layers, per_layer, text_config)
 from ._paged_batch import PagedBatch, Step
@@ -129,7 +129,7 @@ class Fp8kturbovLayer(CacheLayerMixin):
             self.pools.write(keys, values, step)
             if len(step.query_rows) == 0:  # padding only: nothing to attend
                 return torch.zeros_like(query).transpose(1, 2)
-            out_rows = self._dense(queries if every_row else queries[real_rows], step, **options)
+            out_rows = self.pools.prefill(queries if every_row else queries[real_rows], step, **options)
         out_rows = out_rows.to(query.dtype)
         if every_row:
             return out_rows.view(batch, q_len, num_q_heads, head_dim)
@@ -144,23 +144,6 @@ class Fp8kturbovLayer(CacheLayerMixin):
         # the largest key as the write reads it (rounded to bf16)
         amax = real.abs().amax().to(torch.bfloat16).float().item() if real.numel() else 0.0
         return calibrate_k_scale(np.array([amax])) * self.k_scale_margin
-
-    def _dense(self, q_rows: torch.Tensor, step: Step, *, sliding_window: int,
-               **options: Any) -> torch.Tensor:
-        """A chunk longer than the multi-token decode takes: each sequence over its dequantised
-        positions (from the window's first position on)."""
-        out = torch.empty(q_rows.shape, dtype=torch.bfloat16, device=q_rows.device)
-        starts, lengths = step.query_start, step.seq_lens
-        for s in range(len(lengths)):
-            begin, end = int(starts[s]), int(starts[s + 1])
-            if begin == end:
-                continue
-            first = max(0, int(lengths[s]) - (end - begin) - sliding_window + 1) if sliding_window else 0
-            key, value = self.pools.read(step.sequence_slots(s, first))
-            out[begin:end] = chunk_attention(
-                q_rows[begin:end], key.to(q_rows.device), value.to(q_rows.device),
-                sliding_window=sliding_window, rotated=self.spec.v_rotation == "hadamard", **options)
-        return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.columns + query_length, 0
