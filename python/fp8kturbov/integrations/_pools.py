@@ -4,8 +4,9 @@ through the NumPy reference (bit-exact to them by design).
 `KernelPools` keeps a :class:`~fp8kturbov.KVCache` of torch pools on the tensors' device and calls
 `write_kv`, `paged_decode`, `paged_prefill` and `dequantize_kv`; `ReferencePools` keeps NumPy pools
 and calls `reference.write_cache`, `reference.paged_decode` and `reference.dequantize_cache`, its
-prefill attending over the dequantised positions (slow, for tiny models and tests). Both take and return torch tensors and grow their pools as the batch's pages
-grow (`fp8kturbov.integrations._paged_batch`). `pools_for` picks one by the tensors' device.
+prefill attending over the dequantised positions (slow, for tiny models and tests). Both take and
+return torch tensors and grow their pools as the batch's pages grow
+(`fp8kturbov.integrations._paged_batch`). `pools_for` picks one by the tensors' device.
 """
 
 from __future__ import annotations
