@@ -258,13 +258,18 @@ cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, bool h
   return cudaSuccess;
 }
 
-// The device facts a plan depends on: cached attribute and occupancy queries, no synchronisation.
-cudaError_t query_decode_device(const fp8kturbov_decode_params_t& p, DecodeDevice* device) {
-  cudaError_t err = current_multiprocessors(&device->multiprocessors);
-  if (err == cudaSuccess) err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, false, &device->ctas_per_sm);
-  if (err == cudaSuccess)
-    err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, true, &device->head_group_ctas_per_sm);
-  return err;
+// The plan of a validated decode on the current device with `workspace_bytes` of workspace: cached
+// attribute and occupancy queries, no synchronisation.
+fp8kturbov_status_t plan_decode_on_device(const char* entry, const fp8kturbov_decode_params_t& p,
+                                          uint64_t workspace_bytes, DecodePlan* plan) {
+  DecodeDevice device;
+  cudaError_t err = current_multiprocessors(&device.multiprocessors);
+  if (err != cudaSuccess) return report_cuda(err, entry, "device query");
+  err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, false, &device.ctas_per_sm);
+  if (err == cudaSuccess) err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, true, &device.head_group_ctas_per_sm);
+  if (err != cudaSuccess) return report_cuda(err, entry, "occupancy query");
+  *plan = plan_decode(p, device, workspace_bytes);
+  return FP8KTURBOV_STATUS_SUCCESS;
 }
 
 }  // namespace
@@ -282,10 +287,8 @@ fp8kturbov_status_t decode_impl(const char* entry, const fp8kturbov_decode_param
                 "query_start is NULL but max_q_len = %u (more than one query row per sequence)",
                 p.max_q_len);
   FP8KTURBOV_CHECK(check_append(entry, p));
-  DecodeDevice device;
-  const cudaError_t query = query_decode_device(p, &device);
-  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
-  const DecodePlan plan = plan_decode(p, device, p.workspace_bytes);
+  DecodePlan plan{};
+  FP8KTURBOV_CHECK(plan_decode_on_device(entry, p, p.workspace_bytes, &plan));
   const uint64_t row_elems = uint64_t(p.num_kv_heads) * p.head_dim;
 
   DecodeArgs args{};  // filled by field name
@@ -324,10 +327,8 @@ fp8kturbov_status_t decode_workspace_impl(const char* entry, const fp8kturbov_de
   FP8KTURBOV_CHECK(validate_decode(entry, without_pools(p), &k_block_stride_bytes));
   *workspace_bytes = 0;
   if (p.num_seqs == 0) return FP8KTURBOV_STATUS_SUCCESS;
-  DecodeDevice device;
-  const cudaError_t query = query_decode_device(p, &device);
-  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
-  const DecodePlan plan = plan_decode(p, device, UINT64_MAX);
+  DecodePlan plan{};
+  FP8KTURBOV_CHECK(plan_decode_on_device(entry, p, UINT64_MAX, &plan));
   *workspace_bytes = decode_workspace_bytes(plan, p.num_seqs, query_rows_per_seq(p), p.num_q_heads, p.head_dim);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
@@ -372,48 +373,35 @@ fp8kturbov_status_t validate_prefill(const char* entry, const fp8kturbov_prefill
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 
-// The current device as the prefill's plan needs it: cached attribute reads, no synchronisation.
-struct PrefillDevice {
-  int id = 0;
-  int multiprocessors = 0;
-  int major = 0;
-  int minor = 0;
-};
-
-// Queries the current device, which the prefill's tensor-core instructions need to be sm_80 or newer.
-fp8kturbov_status_t query_prefill_device(const char* entry, PrefillDevice* device) {
-  cudaError_t err = cudaGetDevice(&device->id);
-  if (err == cudaSuccess) err = current_multiprocessors(&device->multiprocessors);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&device->major, cudaDevAttrComputeCapabilityMajor, device->id);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&device->minor, cudaDevAttrComputeCapabilityMinor, device->id);
+// The plan of a validated prefill on the current device with `workspace_bytes` of workspace: cached
+// attribute and occupancy queries, no synchronisation. The prefill's tensor-core instructions need
+// the device to be sm_80 or newer.
+fp8kturbov_status_t plan_prefill_on_device(const char* entry, const fp8kturbov_prefill_params_t& p,
+                                           uint64_t workspace_bytes, PrefillPlan* plan) {
+  int device = 0, multiprocessors = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = current_multiprocessors(&multiprocessors);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err != cudaSuccess) return report_cuda(err, entry, "device query");
-  if (device->major < 8)
+  if (major < 8)
     return fail(FP8KTURBOV_STATUS_NOT_SUPPORTED, entry,
-                "the prefill needs compute capability 8.0 or newer (device %d is %d.x)", device->id, device->major);
-  return FP8KTURBOV_STATUS_SUCCESS;
-}
-
-// The plan of a validated prefill on `device` with `workspace_bytes` of workspace: a cached
-// occupancy query, no synchronisation.
-cudaError_t plan_prefill_on_device(const fp8kturbov_prefill_params_t& p, const PrefillDevice& device,
-                                   uint64_t workspace_bytes, PrefillPlan* plan) {
+                "the prefill needs compute capability 8.0 or newer (device %d is %d.x)", device, major);
   // The warp-specialised kernel runs where this library holds sm_90a code (FP8KTURBOV_PREFILL_WS,
   // from the architecture list) and the device is 9.0, the only one that code runs on, and only for
   // chunks of more than one 64-row tile: a chunk that fills one (16 tokens of 4 query heads) would
   // leave half of its 128 rows empty and took 25-41 % longer there than the 64-row kernel.
-  const bool warp_specialized =
-      FP8KTURBOV_PREFILL_WS && device.major == 9 && device.minor == 0 && prefill_tiles_per_seq(p) > 1;
-  cudaError_t err = cudaSuccess;
+  const bool warp_specialized = FP8KTURBOV_PREFILL_WS && major == 9 && minor == 0 && prefill_tiles_per_seq(p) > 1;
   int ctas_per_sm = 1;
 #define FP8KTURBOV_PREFILL_CASE(BITS, HEAD_DIM) \
   if (p.v_bits == BITS && p.head_dim == HEAD_DIM) \
-    err = prefill_ctas_per_sm<BITS, HEAD_DIM>(device.id, warp_specialized, &ctas_per_sm);
+    err = prefill_ctas_per_sm<BITS, HEAD_DIM>(device, warp_specialized, &ctas_per_sm);
 #include "dispatch_prefill.inc"
 #undef FP8KTURBOV_PREFILL_CASE
-  if (err != cudaSuccess) return err;
-  *plan = plan_prefill(p, device.multiprocessors, ctas_per_sm, workspace_bytes,
+  if (err != cudaSuccess) return report_cuda(err, entry, "occupancy query");
+  *plan = plan_prefill(p, multiprocessors, ctas_per_sm, workspace_bytes,
                        warp_specialized ? kPrefillWsQueryRows : kPrefillQueryRows);
-  return cudaSuccess;
+  return FP8KTURBOV_STATUS_SUCCESS;
 }
 
 }  // namespace
@@ -427,11 +415,8 @@ fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_par
   FP8KTURBOV_CHECK(check_attention_pointers(entry, p, k_block_stride_bytes, &index_check));
   FP8KTURBOV_REQUIRE_POINTER(query_start);
   FP8KTURBOV_CHECK_ALIGNED(lse, alignof(float));
-  PrefillDevice device;
-  FP8KTURBOV_CHECK(query_prefill_device(entry, &device));
   PrefillPlan plan{};
-  const cudaError_t query = plan_prefill_on_device(p, device, p.workspace_bytes, &plan);
-  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
+  FP8KTURBOV_CHECK(plan_prefill_on_device(entry, p, p.workspace_bytes, &plan));
 
   PrefillArgs args{};  // filled by field name
   fill_attention_args(p, k_block_stride_bytes, index_check, args);
@@ -463,11 +448,8 @@ fp8kturbov_status_t prefill_workspace_impl(const char* entry, const fp8kturbov_p
   FP8KTURBOV_CHECK(validate_prefill(entry, without_pools(p), &k_block_stride_bytes));
   *workspace_bytes = 0;
   if (p.num_seqs == 0 || p.max_q_len == 0) return FP8KTURBOV_STATUS_SUCCESS;
-  PrefillDevice device;
-  FP8KTURBOV_CHECK(query_prefill_device(entry, &device));
   PrefillPlan plan{};
-  const cudaError_t query = plan_prefill_on_device(p, device, UINT64_MAX, &plan);
-  if (query != cudaSuccess) return report_cuda(query, entry, "device query");
+  FP8KTURBOV_CHECK(plan_prefill_on_device(entry, p, UINT64_MAX, &plan));
   *workspace_bytes = prefill_workspace_bytes(plan, p.num_query_rows, p.num_q_heads, p.head_dim);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
