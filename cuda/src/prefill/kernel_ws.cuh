@@ -29,8 +29,9 @@ struct PrefillWsTraits {
   static_assert(kQueryRows == int(kPrefillWsQueryRows), "the planner's tiles");
   static constexpr int kKvTile = Base::kKvTile;
   static constexpr int kGroups = Base::kGroups;
-  // A ring of two: the producer fills one while the consumers multiply the other.
-  static constexpr int kBuffers = 2;
+  // A ring of three at head_dim 128, two elsewhere: the producer fills one while the consumers
+  // multiply another; the third lets it run two tiles ahead where that paid.
+  static constexpr int kBuffers = HEAD_DIM == 128 ? 3 : 2;
   // Registers per thread: kEntryRegisters at launch (ptxas gives a kernel with setmaxnreg all that
   // __launch_bounds__ allows), then the producer's dequantization in fewer and the consumers' scores
   // beside their output rows (128 of them at head_dim 256) in more, the producer's release paying.
