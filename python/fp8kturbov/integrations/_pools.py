@@ -11,6 +11,7 @@ return torch tensors and grow their pools as the batch's pages grow
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,8 @@ class KernelPools:
             step_array(step, self.device, "seq_lens", torch.int32), inv_sqrt_d=scaling, sliding_window=sliding_window,
             sparse_v_threshold=self.spec.sparse_v_threshold, soft_cap=soft_cap,
             sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
-            workspace=self._workspace_for("decode", q.shape[1], step, sliding_window, max_q_len),
+            workspace=self._workspace_for("decode", self.cache.decode_workspace, len(step.seq_lens), q.shape[1],
+                                          step.block_tables.shape[1], sliding_window, max_q_len),
             query_start=step_array(step, self.device, "query_start", torch.int32) if multi else None,
             max_q_len=max_q_len if multi else None, append_key=key.to(torch.bfloat16).contiguous(),
             append_value=value.to(torch.bfloat16).contiguous(),
@@ -134,7 +136,8 @@ class KernelPools:
             step_array(step, self.device, "query_start", torch.int32), max_q_len=max_q_len, inv_sqrt_d=scaling,
             sliding_window=sliding_window, soft_cap=soft_cap,
             sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
-            workspace=self._workspace_for("prefill", q.shape[1], step, sliding_window, max_q_len, q.shape[0]))
+            workspace=self._workspace_for("prefill", self.cache.prefill_workspace, len(step.seq_lens), q.shape[1],
+                                          step.block_tables.shape[1], max_q_len, q.shape[0], sliding_window))
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from .. import dequantize_kv
@@ -153,18 +156,9 @@ class KernelPools:
     def _upload(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
 
-
-    def _workspace_for(self, op: str, num_q_heads: int, step: Step, sliding_window: int, max_q_len: int,
-                       *rows: int) -> Any:
-        """The workspace of ``op`` ("decode" or "prefill", whose shape adds the query rows) for this
-        shape, kept while the shape stays (a new one each time the table gains a page column)."""
-        table_width = step.block_tables.shape[1]
-        if op == "decode":
-            shape = (len(step.seq_lens), num_q_heads, table_width, sliding_window, max_q_len)
-            make = self.cache.decode_workspace
-        else:
-            shape = (len(step.seq_lens), num_q_heads, table_width, max_q_len, *rows, sliding_window)
-            make = self.cache.prefill_workspace
+    def _workspace_for(self, op: str, make: Callable[..., Any], *shape: int) -> Any:
+        """``op``'s workspace (``make(*shape)``), kept while its shape stays (a new one each time the
+        table gains a page column)."""
         kept = self._workspaces.get(op)
         if kept is None or kept[0] != shape:
             kept = self._workspaces[op] = (shape, make(*shape))
