@@ -110,11 +110,8 @@ class KernelPools:
         max_q_len = step.max_new_tokens if multi else 1
         key, value = appended
         return paged_decode(
-            q.to(torch.bfloat16).contiguous(), self.cache,
-            step_array(step, self.device, "block_tables", torch.int32),
-            step_array(step, self.device, "seq_lens", torch.int32), inv_sqrt_d=scaling, sliding_window=sliding_window,
-            sparse_v_threshold=self.spec.sparse_v_threshold, soft_cap=soft_cap,
-            sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
+            *self._attention_inputs(q, step), inv_sqrt_d=scaling, sliding_window=sliding_window,
+            sparse_v_threshold=self.spec.sparse_v_threshold, soft_cap=soft_cap, sinks=self._sinks(sinks),
             workspace=self._workspace_for("decode", self.cache.decode_workspace, len(step.seq_lens), q.shape[1],
                                           step.block_tables.shape[1], sliding_window, max_q_len),
             query_start=step_array(step, self.device, "query_start", torch.int32) if multi else None,
@@ -130,12 +127,9 @@ class KernelPools:
 
         max_q_len = step.max_new_tokens
         return paged_prefill(
-            q.to(torch.bfloat16).contiguous(), self.cache,
-            step_array(step, self.device, "block_tables", torch.int32),
-            step_array(step, self.device, "seq_lens", torch.int32),
-            step_array(step, self.device, "query_start", torch.int32), max_q_len=max_q_len, inv_sqrt_d=scaling,
-            sliding_window=sliding_window, soft_cap=soft_cap,
-            sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
+            *self._attention_inputs(q, step), step_array(step, self.device, "query_start", torch.int32),
+            max_q_len=max_q_len, inv_sqrt_d=scaling, sliding_window=sliding_window, soft_cap=soft_cap,
+            sinks=self._sinks(sinks),
             workspace=self._workspace_for("prefill", self.cache.prefill_workspace, len(step.seq_lens), q.shape[1],
                                           step.block_tables.shape[1], max_q_len, q.shape[0], sliding_window))
 
@@ -152,6 +146,17 @@ class KernelPools:
                              (self.cache.v_pool, layout.v_block_stride_bytes)):
             pages = pool.view(layout.num_blocks, stride)
             pages[dst] = pages[src]  # the gather is complete before the scatter
+
+    def _attention_inputs(self, q: torch.Tensor, step: Step) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        """The leading arguments of both attentions: the query rows as bf16, the cache, the step's
+        block tables and lengths on the device."""
+        return (q.to(torch.bfloat16).contiguous(), self.cache,
+                step_array(step, self.device, "block_tables", torch.int32),
+                step_array(step, self.device, "seq_lens", torch.int32))
+
+    @staticmethod
+    def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+        return None if sinks is None else sinks.to(torch.float32).contiguous()
 
     def _upload(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
