@@ -260,7 +260,7 @@ def test_write_confines_nan_inf_to_their_row_and_group(rng, bits):
 
 
 def test_tiny_k_scale_turns_zero_keys_into_nan():
-    """Why the write refuses a k_scale below ~2^-128 (RELIABILITY.md §4.5, tested in test_abi.py):
+    """Why the write refuses a k_scale below ~2^-128 (RELIABILITY.md §4.6, tested in test_abi.py):
     the fp32 reciprocal is inf, so FORMAT §2 would turn a zero key into 0·inf = NaN (0x7F)."""
     tiny = 1e-39  # positive, finite, subnormal: accepted by the host validation
     with np.errstate(over="ignore", invalid="ignore"):
@@ -466,3 +466,92 @@ def test_gpu_nan_outside_the_attended_positions_is_never_read(device, rng, head_
                     v_pool[case.v_scale_byte(s, pos, kv, d // 16)] = 0x7F
     got = case.run(device, k_pool=k_pool, v_pool=v_pool, split=split)
     assert np.array_equal(got, clean)
+
+
+# ---- Prefill (§4.4) -------------------------------------------------------------------------------
+
+
+class PrefillCase(DecodeCase):
+    """DecodeCase's cache with a chunk of query tokens per sequence: ``q_lens[s]`` rows, the last
+    positions of ``seq_lens[s]``."""
+
+    def __init__(self, rng, bits: int = 4, head_dim: int = 128, seq_lens=(70, 40, 5), q_lens=(8, 20, 5),
+                 window: int = 0):
+        super().__init__(rng, bits=bits, head_dim=head_dim, seq_lens=seq_lens, window=window)
+        self.q_lens = np.array(q_lens, dtype=np.int32)
+        self.query_start = np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
+        self.num_rows = int(self.query_start[-1])
+        self.q = bf16(rng.standard_normal((self.num_rows, self.q_stride)) / 4)
+
+    def row(self, seq: int, token: int) -> int:
+        return int(self.query_start[seq]) + token
+
+    def attending(self, seq: int, pos: int) -> list[int]:
+        """The query rows of sequence ``seq`` whose positions include ``pos``."""
+        rows = []
+        for i in range(int(self.q_lens[seq])):
+            end = int(self.seq_lens[seq]) - int(self.q_lens[seq]) + i + 1
+            begin = max(0, end - self.window) if self.window else 0
+            if begin <= pos < end:
+                rows.append(self.row(seq, i))
+        return rows
+
+    def reference(self, q=None, k_pool=None, v_pool=None):
+        with np.errstate(invalid="ignore", over="ignore"):
+            return ref.paged_prefill(
+                self.q if q is None else q, self.k_pool if k_pool is None else k_pool,
+                self.v_pool if v_pool is None else v_pool, self.block_tables, self.seq_lens, self.query_start,
+                self.max_blocks_per_seq, self.num_seqs, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                self.block_size, self.inv_sqrt_d, self.k_scale, self.q_stride, self.v_stride, self.v_data,
+                self.window, self.bits, k_block_stride_bytes=self.k_stride)
+
+
+def assert_prefill_rows_identical(got, clean, affected: set[tuple[int, int]]) -> None:
+    """Outputs and log-denominators of every (row, head) outside ``affected`` bit-identical."""
+    assert_rows_identical(got[0], clean[0], affected)
+    keep = np.ones(clean[1].shape, dtype=bool)
+    for r, h in affected:
+        keep[r, h] = False
+    assert np.array_equal(got[1][keep], clean[1][keep]), "an lse outside the reach changed"
+
+
+def assert_nan_rows(got, affected: set[tuple[int, int]]) -> None:
+    for r, h in affected:
+        assert np.isnan(got[0][r, h]).all(), f"(row {r}, head {h}): {got[0][r, h][:4]}"
+        assert np.isnan(got[1][r, h]), f"(row {r}, head {h}): lse {got[1][r, h]}"
+
+
+def test_reference_prefill_nan_k_byte_reaches_the_rows_attending_it(rng):
+    case = PrefillCase(rng)
+    clean = case.reference()
+    k_pool = case.k_pool.copy()
+    k_pool[case.k_byte(1, 30, 1, 5)] = 0x7F  # sequence 1 (chunk from position 20), KV head 1
+    got = case.reference(k_pool=k_pool)
+    affected = {(r, h) for r in case.attending(1, 30) for h in case.heads_of(1)}
+    assert len(case.attending(1, 30)) == 10  # tokens 10..19 of the chunk, not 0..9
+    assert_nan_rows(got, affected)
+    assert_prefill_rows_identical(got, clean, affected)
+
+
+def test_reference_prefill_nan_v_scale_reaches_its_16_elements_of_the_rows_attending_it(rng):
+    case = PrefillCase(rng)
+    clean = case.reference()
+    v_pool = case.v_pool.copy()
+    v_pool[case.v_scale_byte(1, 30, 0, 2)] = 0x7F  # KV head 0, elements 32..47
+    got = case.reference(v_pool=v_pool)
+    affected = {(r, h) for r in case.attending(1, 30) for h in case.heads_of(0)}
+    for r, h in affected:
+        assert np.isnan(got[0][r, h, 32:48]).all()
+        assert np.array_equal(np.delete(got[0][r, h], np.s_[32:48]), np.delete(clean[0][r, h], np.s_[32:48]))
+    assert_rows_identical(got[0], clean[0], affected)
+    assert np.array_equal(got[1], clean[1]), "V does not enter the denominators"
+
+
+def test_reference_prefill_nan_q_reaches_its_own_row(rng):
+    case = PrefillCase(rng)
+    clean = case.reference()
+    q = case.q.copy()
+    q[case.row(1, 3), 5 * case.head_dim + 9] = BF16(np.nan)
+    got = case.reference(q=q)
+    assert_nan_rows(got, {(case.row(1, 3), 5)})
+    assert_prefill_rows_identical(got, clean, {(case.row(1, 3), 5)})
