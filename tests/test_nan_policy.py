@@ -473,10 +473,12 @@ def test_gpu_nan_outside_the_attended_positions_is_never_read(device, rng, head_
 
 class PrefillCase(DecodeCase):
     """DecodeCase's cache with a chunk of query tokens per sequence: ``q_lens[s]`` rows, the last
-    positions of ``seq_lens[s]``."""
+    positions of ``seq_lens[s]``. The default contexts are long and the grid small, so that the plan
+    splits them where it is given a workspace; chunks of at most 16 tokens (64 query rows) take the
+    64-row kernel, longer ones the warp-specialised one where the device has it."""
 
-    def __init__(self, rng, bits: int = 4, head_dim: int = 128, seq_lens=(70, 40, 5), q_lens=(8, 20, 5),
-                 window: int = 0):
+    def __init__(self, rng, bits: int = 4, head_dim: int = 128, seq_lens=(1000, 600, 5, 1, 0),
+                 q_lens=(16, 10, 5, 1, 0), window: int = 0):
         super().__init__(rng, bits=bits, head_dim=head_dim, seq_lens=seq_lens, window=window)
         self.q_lens = np.array(q_lens, dtype=np.int32)
         self.query_start = np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
@@ -505,6 +507,30 @@ class PrefillCase(DecodeCase):
                 self.block_size, self.inv_sqrt_d, self.k_scale, self.q_stride, self.v_stride, self.v_data,
                 self.window, self.bits, k_block_stride_bytes=self.k_stride)
 
+    def run(self, device, q=None, k_pool=None, v_pool=None, *, split=True):
+        """(output, lse) of the kernels; with ``split``, the plan must take splits."""
+        scalars = dict(
+            max_blocks_per_seq=self.max_blocks_per_seq, num_seqs=self.num_seqs, num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=self.block_size,
+            inv_sqrt_d=self.inv_sqrt_d, k_scale=self.k_scale, q_stride=self.q_stride, v_bits=self.bits,
+            k_block_stride_bytes=self.k_stride, v_block_stride_bytes=self.v_stride,
+            v_data_section_bytes=self.v_data, sliding_window=self.window, max_q_len=int(self.q_lens.max()),
+            num_query_rows=self.num_rows)
+        workspace_bytes = fp8kturbov.paged_prefill_workspace_bytes(**scalars) if split else 0
+        assert workspace_bytes > 0 or not split, "the plan takes no split for this case"
+        workspace = device.upload(np.full(max(workspace_bytes // 4, 1), np.nan, dtype=np.float32))
+        out_poison = np.full((self.num_rows, self.num_q_heads, self.head_dim), 0x7FC1, dtype=np.uint16)
+        lse_poison = np.full((self.num_rows, self.num_q_heads), 12345.0, dtype=np.float32)
+        out, lse = device.upload(out_poison), device.upload(lse_poison)
+        fp8kturbov.paged_prefill_attn(
+            device.upload((self.q if q is None else q).view(np.uint16)),
+            device.upload(self.k_pool if k_pool is None else k_pool),
+            device.upload(self.v_pool if v_pool is None else v_pool), out, device.upload(self.block_tables),
+            device.upload(self.seq_lens), device.upload(self.query_start), lse=lse, workspace=workspace,
+            workspace_bytes=workspace_bytes, stream=device.stream, **scalars)
+        return (device.download(out, out_poison).view(BF16).astype(np.float64),
+                device.download(lse, lse_poison).astype(np.float64))
+
 
 def assert_prefill_rows_identical(got, clean, affected: set[tuple[int, int]]) -> None:
     """Outputs and log-denominators of every (row, head) outside ``affected`` bit-identical."""
@@ -522,7 +548,7 @@ def assert_nan_rows(got, affected: set[tuple[int, int]]) -> None:
 
 
 def test_reference_prefill_nan_k_byte_reaches_the_rows_attending_it(rng):
-    case = PrefillCase(rng)
+    case = PrefillCase(rng, seq_lens=(70, 40, 5), q_lens=(8, 20, 5))
     clean = case.reference()
     k_pool = case.k_pool.copy()
     k_pool[case.k_byte(1, 30, 1, 5)] = 0x7F  # sequence 1 (chunk from position 20), KV head 1
@@ -534,7 +560,7 @@ def test_reference_prefill_nan_k_byte_reaches_the_rows_attending_it(rng):
 
 
 def test_reference_prefill_nan_v_scale_reaches_its_16_elements_of_the_rows_attending_it(rng):
-    case = PrefillCase(rng)
+    case = PrefillCase(rng, seq_lens=(70, 40, 5), q_lens=(8, 20, 5))
     clean = case.reference()
     v_pool = case.v_pool.copy()
     v_pool[case.v_scale_byte(1, 30, 0, 2)] = 0x7F  # KV head 0, elements 32..47
@@ -548,10 +574,106 @@ def test_reference_prefill_nan_v_scale_reaches_its_16_elements_of_the_rows_atten
 
 
 def test_reference_prefill_nan_q_reaches_its_own_row(rng):
-    case = PrefillCase(rng)
+    case = PrefillCase(rng, seq_lens=(70, 40, 5), q_lens=(8, 20, 5))
     clean = case.reference()
     q = case.q.copy()
     q[case.row(1, 3), 5 * case.head_dim + 9] = BF16(np.nan)
     got = case.reference(q=q)
     assert_nan_rows(got, {(case.row(1, 3), 5)})
     assert_prefill_rows_identical(got, clean, {(case.row(1, 3), 5)})
+
+
+PREFILL_CHUNKS = {"short": (16, 10, 5, 1, 0), "long": (16, 120, 5, 1, 0)}  # the two kernels
+split_ids = pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+chunk_ids = pytest.mark.parametrize("chunks", list(PREFILL_CHUNKS))
+
+
+@pytest.mark.gpu
+@split_ids
+@chunk_ids
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_prefill_nan_k_byte_makes_the_rows_attending_it_nan(device, rng, head_dim, chunks, split):
+    """§4.4: a NaN score makes the row's denominator NaN, in the part of the context that holds
+    it: the row and its lse are NaN, split or not, as in the reference. Sequence 0's position
+    500 lies before its chunk (every token attends it); sequence 1's lies inside its chunk."""
+    case = PrefillCase(rng, head_dim=head_dim, q_lens=PREFILL_CHUNKS[chunks])
+    inside = 600 - int(case.q_lens[1]) + 3  # attended by tokens 3.. of sequence 1's chunk
+    clean = case.run(device, split=split)
+    k_pool = case.k_pool.copy()
+    k_pool[case.k_byte(0, 500, 1, 5)] = 0x7F
+    k_pool[case.k_byte(1, inside, 0, head_dim - 1)] = 0xFF
+    got = case.run(device, k_pool=k_pool, split=split)
+    affected = ({(r, h) for r in case.attending(0, 500) for h in case.heads_of(1)}
+                | {(r, h) for r in case.attending(1, inside) for h in case.heads_of(0)})
+    assert_nan_rows(got, affected)
+    assert_prefill_rows_identical(got, clean, affected)
+
+
+@pytest.mark.gpu
+@split_ids
+@chunk_ids
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gpu_prefill_nan_v_scale_reaches_its_16_elements(device, rng, bits, chunks, split):
+    """§4.4: the rows attending the position get NaN in exactly the group's 16 elements; rows of
+    the same sequence and KV group that do not attend it may get NaN there too (their weight 0
+    times NaN in the same tile's product), nothing else; the denominators do not change."""
+    case = PrefillCase(rng, bits=bits, q_lens=PREFILL_CHUNKS[chunks])
+    pos = 600 - int(case.q_lens[1]) + 3
+    clean = case.run(device, split=split)
+    v_pool = case.v_pool.copy()
+    v_pool[case.v_scale_byte(1, pos, 0, 2)] = 0x7F  # elements 32..47
+    got = case.run(device, v_pool=v_pool, split=split)
+    reach = {(case.row(1, i), h) for i in range(int(case.q_lens[1])) for h in case.heads_of(0)}
+    for r, h in reach:
+        nan = np.isnan(got[0][r, h])
+        if r in case.attending(1, pos):
+            assert nan[32:48].all(), f"(row {r}, head {h})"
+        assert not np.delete(nan, np.s_[32:48]).any(), f"(row {r}, head {h}): NaN outside the group"
+        same = np.array_equal(got[0][r, h], clean[0][r, h])
+        assert same or np.array_equal(np.delete(got[0][r, h], np.s_[32:48]), np.delete(clean[0][r, h], np.s_[32:48]))
+    assert_rows_identical(got[0], clean[0], reach)
+    assert np.array_equal(got[1], clean[1]), "V does not enter the denominators"
+
+
+@pytest.mark.gpu
+@split_ids
+@chunk_ids
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_gpu_prefill_nan_or_inf_q_reaches_its_own_row_only(device, rng, bad, head_dim, chunks, split):
+    """§4.4: the query tile's fp16 gain is taken over finite elements only, so a NaN or an Inf
+    changes its own (row, head) alone: NaN scores, or scores of both signs of infinity (random
+    keys), and a NaN row and lse, as in the reference. The clean run has 0 in its place; the same
+    tile holds a 4.0 (head 6), which a gain widened by the Inf would push out of fp16's range."""
+    case = PrefillCase(rng, head_dim=head_dim, q_lens=PREFILL_CHUNKS[chunks])
+    row = case.row(1, 7)
+    clean_q = case.q.copy()
+    clean_q[row, 6 * head_dim + 1] = BF16(4.0)
+    q = clean_q.copy()
+    q[row, 5 * head_dim + 9] = BF16(bad)  # head 5: 0 in the clean run
+    clean_q[row, 5 * head_dim + 9] = BF16(0.0)
+    clean = case.run(device, q=clean_q, split=split)
+    got = case.run(device, q=q, split=split)
+    assert_nan_rows(got, {(row, 5)})
+    assert_prefill_rows_identical(got, clean, {(row, 5)})
+
+
+@pytest.mark.gpu
+@split_ids
+@chunk_ids
+def test_gpu_prefill_nan_outside_the_attended_positions_is_never_read(device, rng, chunks, split):
+    """NaN K bytes and V scales beyond seq_len (in the sequence's own pages) and before every chunk
+    token's window change nothing."""
+    case = PrefillCase(rng, q_lens=PREFILL_CHUNKS[chunks], window=300)
+    clean = case.run(device, split=split)
+    k_pool, v_pool = case.k_pool.copy(), case.v_pool.copy()
+    for s, length in enumerate(case.seq_lens.tolist()):
+        beyond = range(length, min(length + 20, int(case.blocks[s]) * case.block_size))
+        before = range(0, max(0, length - int(case.q_lens[s]) + 1 - case.window))
+        for pos in (*beyond, *before):
+            for kv in range(case.num_kv_heads):
+                for d in range(0, case.head_dim, 16):
+                    k_pool[case.k_byte(s, pos, kv, d)] = 0x7F
+                    v_pool[case.v_scale_byte(s, pos, kv, d // 16)] = 0x7F
+    got = case.run(device, k_pool=k_pool, v_pool=v_pool, split=split)
+    assert np.array_equal(got[0], clean[0]) and np.array_equal(got[1], clean[1])

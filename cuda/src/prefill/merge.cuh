@@ -36,10 +36,18 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_merge_kernel(co
   const uint32_t num_splits = a.num_splits;
   // The largest log-denominator (the sink's too); each split's weight against it. Every split wrote
   // every row of its CTA (an empty split: zeros and -inf), so every partial read below is defined.
+  // A split whose lse is NaN met a NaN score: the row is NaN, as the float64 softmax's (fmaxf
+  // alone would drop that split, RELIABILITY §4.4).
   float top = -INFINITY;
-  for (uint32_t s = lane; s < num_splits; s += 32) top = fmaxf(top, a.partial_lse[s * split_rows + row]);
+  bool nan_split = false;
+  for (uint32_t s = lane; s < num_splits; s += 32) {
+    const float lse = a.partial_lse[s * split_rows + row];
+    nan_split = nan_split || isnan(lse);
+    top = fmaxf(top, lse);
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  nan_split = __any_sync(0xffffffffu, nan_split);
   const bool attended = top > -INFINITY;  // some split saw a position (else zeros, lse -inf)
   const float sink = attended && a.sinks != nullptr ? __ldg(a.sinks + head) : -INFINITY;
   top = fmaxf(top, sink);
@@ -70,7 +78,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_merge_kernel(co
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
   if (attended && a.sinks != nullptr) total += expf(sink - top);
-  const float inv_total = attended ? 1.0f / total : 0.0f;
+  const float inv_total = nan_split ? NAN : attended ? 1.0f / total : 0.0f;
 #pragma unroll
   for (int e = 0; e < kElems; ++e) x[e] *= inv_total;
   if constexpr (kRotatableHeadDim<HEAD_DIM>) {
@@ -84,7 +92,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_merge_kernel(co
     dst[e] = uint16_t(pair);
     dst[e + 1] = uint16_t(pair >> 16);
   }
-  if (a.lse != nullptr && lane == 0) a.lse[row] = attended ? top + logf(total) : -INFINITY;
+  if (a.lse != nullptr && lane == 0) a.lse[row] = nan_split ? NAN : attended ? top + logf(total) : -INFINITY;
 }
 
 }  // namespace fp8kturbov

@@ -472,8 +472,10 @@ __device__ __forceinline__ void finish_rows(const PrefillArgs& a, const PrefillW
       l[h] = l[h] * weight + exp2f(sink - m_final);
       m[h] = m_final;
     }
-    row_scale[h] = l[h] > 0.0f ? weight / l[h] : 0.0f;
-    lse[h] = l[h] > 0.0f ? (m[h] + log2f(l[h])) * 0.6931471805599453f : -INFINITY;
+    // l == 0: no position (zeros, lse -inf). A NaN l (a NaN score) stays NaN in the row and in
+    // its lse, so that the merge cannot take the part for an empty one (RELIABILITY §4.4).
+    row_scale[h] = l[h] == 0.0f ? 0.0f : weight / l[h];
+    lse[h] = l[h] == 0.0f ? -INFINITY : (m[h] + log2f(l[h])) * 0.6931471805599453f;
   }
 #pragma unroll
   for (int j = 0; j < OUTPUT_TILES; ++j) {
