@@ -68,6 +68,10 @@ CASES = [
       for b, d, options in ((2, 64, dict(sinks=True)), (4, 128, dict(rotation=True, soft_cap=20.0)),
                             (3, 128, dict(window=9, block_size=8)), (3, 64, dict(group=8, q_lens=(8, 5, 3, 1))),
                             (2, 256, dict(sinks=True, rotation=True)))),
+    # Without a workspace: chunks of several 128-row tiles dequantize every tile per CTA, where the
+    # workspace would have held the expanded context (each tile dequantized once).
+    Case(workspace=False), Case(bits=2, head_dim=256, workspace=False, sinks=True),
+    Case(bits=4, head_dim=64, workspace=False, soft_cap=20.0, window=50),
     # Short chunks over long contexts: the plan splits the context, a merge combines the splits.
     *(Case(**{"bits": b, "head_dim": d, "seq_lens": LONG, "q_lens": LONG_CHUNKS, **options})
       for b, d, options in ((2, 64, {}), (3, 128, {}), (4, 256, {}), (3, 128, dict(workspace=False)),

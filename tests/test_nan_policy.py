@@ -508,7 +508,8 @@ class PrefillCase(DecodeCase):
                 self.window, self.bits, k_block_stride_bytes=self.k_stride)
 
     def run(self, device, q=None, k_pool=None, v_pool=None, *, split=True):
-        """(output, lse) of the kernels; with ``split``, the plan must take splits."""
+        """(output, lse) of the kernels; with ``split``, given the workspace the plan asks for (the
+        default contexts split; chunks of 8 or more query tiles also expand), else none."""
         scalars = dict(
             max_blocks_per_seq=self.max_blocks_per_seq, num_seqs=self.num_seqs, num_q_heads=self.num_q_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=self.block_size,
@@ -517,7 +518,7 @@ class PrefillCase(DecodeCase):
             v_data_section_bytes=self.v_data, sliding_window=self.window, max_q_len=int(self.q_lens.max()),
             num_query_rows=self.num_rows)
         workspace_bytes = fp8kturbov.paged_prefill_workspace_bytes(**scalars) if split else 0
-        assert workspace_bytes > 0 or not split, "the plan takes no split for this case"
+        assert workspace_bytes > 0 or not split, "the plan asks no workspace for this case"
         workspace = device.upload(np.full(max(workspace_bytes // 4, 1), np.nan, dtype=np.float32))
         out_poison = np.full((self.num_rows, self.num_q_heads, self.head_dim), 0x7FC1, dtype=np.uint16)
         lse_poison = np.full((self.num_rows, self.num_q_heads), 12345.0, dtype=np.float32)
@@ -583,7 +584,9 @@ def test_reference_prefill_nan_q_reaches_its_own_row(rng):
     assert_prefill_rows_identical(got, clean, {(case.row(1, 3), 5)})
 
 
-PREFILL_CHUNKS = {"short": (16, 10, 5, 1, 0), "long": (16, 120, 5, 1, 0)}  # the two kernels
+# The two kernels; "expanded": chunks of at least 8 warp-specialised query tiles (300 x 4 query heads)
+# read the context expanded into the workspace where they are given one.
+PREFILL_CHUNKS = {"short": (16, 10, 5, 1, 0), "long": (16, 120, 5, 1, 0), "expanded": (16, 300, 5, 1, 0)}
 split_ids = pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
 chunk_ids = pytest.mark.parametrize("chunks", list(PREFILL_CHUNKS))
 

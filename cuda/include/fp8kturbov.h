@@ -396,7 +396,10 @@ FP8KTURBOV_DECLARE_DECODE(4)
  *                fp8kturbov_paged_prefill_workspace_bytes bytes, or NULL. With it, where the grid
  *                of (query tile, KV head) CTAs would leave the GPU short of a wave (short chunks over
  *                long contexts), the context is split across CTAs and a second kernel merges the
- *                splits; with less, each CTA attends its rows' whole range. The result is
+ *                splits; and where a chunk takes 8 or more 128-row query tiles per KV head (sm_90a), a first
+ *                kernel dequantizes each tile of the context once into it for all of them. With
+ *                less, the plan drops what does not fit, the splits before the expanded context,
+ *                down to each CTA dequantizing and attending its rows' whole range. The result is
  *                deterministic for a given shape, device and workspace size.
  * head_dim 64, 128 or 256 (512: FP8KTURBOV_STATUS_NOT_SUPPORTED). sm_80 and newer.
  */
@@ -444,8 +447,9 @@ FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_prefill_params_init_sized(
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_prefill_attn(
     const fp8kturbov_prefill_params_t* params, fp8kturbov_stream_t stream);
 /* Workspace BYTES with which `params` (pointers and workspace fields ignored) runs its full plan
- * on the current device (0 where splitting the context would not help; it grows with
- * num_query_rows). Validates the scalars like the launch; a host query (device attributes), no
+ * on the current device (0 where neither splitting nor dequantizing the context once would help;
+ * it grows with num_query_rows, and with num_seqs · num_kv_heads · max_blocks_per_seq for chunks of
+ * 8 or more query tiles). Validates the scalars like the launch; a host query (device attributes), no
  * synchronisation. */
 FP8KTURBOV_API fp8kturbov_status_t fp8kturbov_paged_prefill_workspace_bytes(
     const fp8kturbov_prefill_params_t* params, uint64_t* workspace_bytes);

@@ -221,6 +221,13 @@ struct PrefillArgs {
   uint32_t split_positions;
   float* partial_o;
   float* partial_lse;
+  // The expanded context (plan/prefill_plan.h): with expanded_kv, a first kernel writes each
+  // (sequence, KV head)'s tiles dequantized, as the warp-specialised kernel's producer would
+  // ([num_seqs][num_kv_heads][expanded_tiles] tiles of expanded_tile_bytes), and that producer
+  // then copies each tile whole.
+  uint8_t* expanded_kv;
+  uint32_t expanded_tiles;
+  uint32_t expanded_tile_bytes;
 };
 
 template <int BITS, int HEAD_DIM>

@@ -168,7 +168,7 @@ class KVCache:
                           num_query_rows: int, sliding_window: int = 0) -> Any:
         """Scratch for :func:`paged_prefill` with this shape: ``ops.paged_prefill_workspace_bytes``
         BYTES of uninitialised memory from this cache's backend, as :meth:`decode_workspace` gives it
-        (empty where the plan splits no context)."""
+        (empty where the plan neither splits nor expands the context)."""
         layout = open_cache(self).layout
         with _device.on_device(self.device):
             nbytes = ops.paged_prefill_workspace_bytes(

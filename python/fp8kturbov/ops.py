@@ -235,8 +235,9 @@ def paged_prefill_workspace_bytes(
 ) -> int:
     """Workspace BYTES for :func:`paged_prefill_attn` with these scalars on the current device: the
     partial rows of the context splits its plan takes where the query tiles alone leave the GPU short
-    of a wave (0 where it takes none). A host query (cached device attributes): no synchronisation.
-    A smaller workspace is allowed: the prefill then runs unsplit."""
+    of a wave, and the expanded context (each tile dequantized once) where a chunk takes eight or
+    more query tiles per KV head; 0 where it takes neither. A host query (cached device attributes): no
+    synchronisation. A smaller workspace is allowed: the prefill then drops what does not fit."""
     params = _params(
         PrefillParams, "fp8kturbov_prefill_params_init_sized",
         max_blocks_per_seq=max_blocks_per_seq, num_seqs=num_seqs, num_q_heads=num_q_heads,

@@ -3,7 +3,7 @@
 //   head_dim num_seqs num_q_heads num_kv_heads max_blocks_per_seq block_size max_q_len num_query_rows
 //   multiprocessors ctas_per_sm workspace_bytes query_rows
 // one plan per output line,
-//   num_splits split_positions workspace_bytes tiles_per_seq
+//   num_splits split_positions workspace_bytes tiles_per_seq expanded_tiles
 // (workspace_bytes: what the plan needs; query_rows: the kernel's rows per CTA). Built from the planner's source with a plain C++ compiler.
 #include <cinttypes>
 #include <cstdio>
@@ -29,9 +29,8 @@ int main() {
     p.max_q_len = max_q_len;
     p.num_query_rows = num_query_rows;
     const PrefillPlan plan = plan_prefill(p, multiprocessors, ctas_per_sm, workspace_bytes, query_rows);
-    std::printf("%u %u %" PRIu64 " %" PRIu64 "\n", plan.num_splits, plan.split_positions,
-                prefill_workspace_bytes(plan, num_query_rows, num_q_heads, head_dim),
-                prefill_tiles_per_seq(p, plan.query_rows));
+    std::printf("%u %u %" PRIu64 " %" PRIu64 " %u\n", plan.num_splits, plan.split_positions,
+                prefill_workspace_bytes(plan, p), prefill_tiles_per_seq(p, plan.query_rows), plan.expanded_tiles);
   }
   return 0;
 }

@@ -434,6 +434,12 @@ fp8kturbov_status_t prefill_impl(const char* entry, const fp8kturbov_prefill_par
     args.partial_o = static_cast<float*>(p.workspace);
     args.partial_lse = args.partial_o + uint64_t(plan.num_splits) * p.num_query_rows * p.num_q_heads * p.head_dim;
   }
+  if (plan.expanded_tiles > 0) {
+    args.expanded_kv = static_cast<uint8_t*>(p.workspace) +
+                       prefill_expanded_offset(plan, p.num_query_rows, p.num_q_heads, p.head_dim);
+    args.expanded_tiles = plan.expanded_tiles;
+    args.expanded_tile_bytes = prefill_expanded_tile_bytes(p.head_dim);
+  }
   bool built = false;
   const cudaError_t err = dispatch_prefill(p.v_bits, p.head_dim, args, stream, &built);
   return report_attention_launch(entry, p, built, err);
@@ -450,7 +456,7 @@ fp8kturbov_status_t prefill_workspace_impl(const char* entry, const fp8kturbov_p
   if (p.num_seqs == 0 || p.max_q_len == 0) return FP8KTURBOV_STATUS_SUCCESS;
   PrefillPlan plan{};
   FP8KTURBOV_CHECK(plan_prefill_on_device(entry, p, UINT64_MAX, &plan));
-  *workspace_bytes = prefill_workspace_bytes(plan, p.num_query_rows, p.num_q_heads, p.head_dim);
+  *workspace_bytes = prefill_workspace_bytes(plan, p);
   return FP8KTURBOV_STATUS_SUCCESS;
 }
 

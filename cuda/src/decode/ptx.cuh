@@ -174,5 +174,12 @@ __device__ __forceinline__ void copy_box(uint32_t dst, const CUtensorMap& map, i
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(z), "r"(barrier)
       : "memory");
 }
+// `bytes` (a multiple of 16) of global memory at `src` into `dst`, both 16-byte aligned, by the copy
+// engine, counted on `barrier`.
+__device__ __forceinline__ void copy_bulk(uint32_t dst, const void* src, uint32_t bytes, uint32_t barrier) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(barrier)
+               : "memory");
+}
 
 }  // namespace fp8kturbov

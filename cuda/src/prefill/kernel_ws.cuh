@@ -12,6 +12,7 @@
 // The work, copies, dequantization, softmax and finish are prefill/phases.cuh's.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "decode/v_codes.cuh"  // LevelPairTable
@@ -42,6 +43,8 @@ struct PrefillWsTraits {
                 "the producer's release pays for the consumers' claims");
   static constexpr int kTileBytes = kKvTile * HEAD_DIM * 2;  // one fp16 K (or V) tile, blocked
   static constexpr int kOutputPitch = HEAD_DIM + 4;
+  // An expanded tile's bytes that the producer copies: K, V and position_ok, a multiple of 16.
+  static constexpr int kExpandedCopyBytes = 2 * kTileBytes + kKvTile;
   // A copy of the level pairs per producer lane where the table is small enough (decode/v_codes.cuh).
   static constexpr int kLevelPairCopies = LevelPairTable<BITS, HEAD_DIM>::kCopies;
   struct Tile {
@@ -49,6 +52,8 @@ struct PrefillWsTraits {
     alignas(128) uint8_t v[kTileBytes];
     bool position_ok[kKvTile];
   };
+  static_assert(sizeof(Tile) == prefill_expanded_tile_bytes(HEAD_DIM), "the planner's expanded tiles");
+  static_assert(offsetof(Tile, position_ok) == 2 * kTileBytes && kExpandedCopyBytes % 16 == 0, "one bulk copy");
   struct Shared {
     union {
       struct {
@@ -58,6 +63,7 @@ struct PrefillWsTraits {
       alignas(16) float o[kQueryRows][kOutputPitch];  // the epilogue's normalised rows
     };
     typename Base::Stage stages[2];
+    uint64_t expanded_full[kBuffers];  // with an expanded context: each buffer's copy landed
     PrefillLevelPairs<BITS, kLevelPairCopies> level_pairs;
     float q_absmax[kConsumers][4];
   };
@@ -104,12 +110,37 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
 
   PrefillWork w;
   if (!prefill_work<T::kQueryRows, T::kKvTile>(a, tid == 0, w)) return;  // CTA-uniform
-  fill_level_pairs<BITS, decltype(sh.level_pairs)::kCopies>(sh.level_pairs.words, int(tid), T::kThreads);
+  const bool expanded = a.expanded_kv != nullptr;
+  if (expanded) {
+    if (tid == 0) {
+      for (int b = 0; b < T::kBuffers; ++b) barrier_init(shared_address(&sh.expanded_full[b]));
+      barrier_init_fence();
+    }
+  } else {
+    fill_level_pairs<BITS, decltype(sh.level_pairs)::kCopies>(sh.level_pairs.words, int(tid), T::kThreads);
+  }
   __syncthreads();  // the last CTA-wide barrier: the roles part here
 
   if (role == 0) {
     // ==== The producer: copies and dequantization =================================================
     release_registers<T::kProducerRegisters>();
+    if (expanded) {
+      // Each tile whole from the expanded context, by one thread's bulk copy.
+      const uint8_t* const tiles = a.expanded_kv + (uint64_t(w.seq) * a.num_kv_heads + uint32_t(w.kv_head)) *
+                                                       a.expanded_tiles * a.expanded_tile_bytes;
+      for (int t = 0; t < w.num_tiles; ++t) {
+        const int buffer = t % T::kBuffers;
+        if (t >= T::kBuffers) named_barrier_sync(T::kEmptyBarrier + buffer, T::kThreads);
+        if (wtid == 0) {
+          const uint32_t full = shared_address(&sh.expanded_full[buffer]);
+          barrier_arrive_expecting(full, T::kExpandedCopyBytes);
+          copy_bulk(shared_address(&sh.work.tiles[buffer]),
+                    tiles + uint64_t(w.first_tile0 / T::kKvTile + t) * a.expanded_tile_bytes, T::kExpandedCopyBytes,
+                    full);
+        }
+      }
+      return;
+    }
     const PrefillTileCopy<BITS, HEAD_DIM> copier(a, w, int(wtid));
     if (w.num_tiles > 0) copier.copy(sh.stages[0], w.first_tile0, copier.page(w.first_tile0));
     int32_t next_page = copier.page(w.first_tile0 + T::kKvTile);
@@ -125,16 +156,7 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
       if (t >= T::kBuffers) named_barrier_sync(T::kEmptyBarrier + buffer, T::kThreads);
       const typename B::Stage& st = sh.stages[stage];
       typename T::Tile& out = sh.work.tiles[buffer];
-#pragma unroll
-      for (int i = int(wtid); i < T::kKvTile * T::kGroups; i += 128) {
-        int p, g;
-        blocked_item<T::kGroups>(i, p, g);
-        if (g == 0) out.position_ok[p] = st.position_ok[p];
-        uint32_t k_words[8], v_words[8];
-        dequantize_group<BITS, HEAD_DIM>(st, sh.level_pairs, lane % T::kLevelPairCopies, p, g, k_words, v_words);
-        store_blocked_group<HEAD_DIM>(out.k, p, g, k_words);
-        store_blocked_group<HEAD_DIM>(out.v, p, g, v_words);
-      }
+      dequantize_tile<BITS, HEAD_DIM, 128>(st, sh.level_pairs, int(wtid), out.k, out.v, out.position_ok);
       fence_shared_for_wgmma();  // the tiles, for the products' reads
       named_barrier_arrive(T::kFullBarrier + buffer, T::kThreads);
     }
@@ -174,7 +196,10 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
 
   for (int t = 0; t < w.num_tiles; ++t) {
     const int tile0 = w.first_tile0 + t * T::kKvTile, buffer = t % T::kBuffers;
-    named_barrier_sync(T::kFullBarrier + buffer, T::kThreads);  // the producer's tile t
+    if (expanded)  // the producer's tile t
+      barrier_wait(shared_address(&sh.expanded_full[buffer]), uint32_t(t / T::kBuffers) & 1u);
+    else
+      named_barrier_sync(T::kFullBarrier + buffer, T::kThreads);
     const typename T::Tile& tl = sh.work.tiles[buffer];
     const bool masked = tile_needs_mask<T::kKvTile>(tile_positions_ok<T::kKvTile>(tl.position_ok, lane), rows, tile0);
     // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows -------------------------------------------------

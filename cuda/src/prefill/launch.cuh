@@ -7,6 +7,7 @@
 
 #include "decode/tensor_maps.cuh"  // PerDeviceCache
 #include "kernel_args.h"
+#include "prefill/expand.cuh"
 #include "prefill/kernel.cuh"
 #include "prefill/kernel_ws.cuh"
 #include "prefill/merge.cuh"
@@ -43,6 +44,12 @@ cudaError_t launch_paged_prefill(const PrefillArgs& args, cudaStream_t stream) {
   const dim3 grid(args.num_seqs * args.tiles_per_seq, args.num_kv_heads, args.num_splits);
   PrefillArgs kernel_args = args;
   void* params[] = {&kernel_args};
+  if (args.expanded_kv != nullptr) {  // tiles <= 2^26, KV heads and sequences <= 65535: planned
+    err = cudaLaunchKernel(reinterpret_cast<const void*>(&prefill_expand_kernel<BITS, HEAD_DIM>),
+                           dim3(args.expanded_tiles, args.num_kv_heads, args.num_seqs),
+                           dim3(PrefillTileTraits<BITS, HEAD_DIM>::kCopyThreads), params, 0, stream);
+    if (err != cudaSuccess) return err;
+  }
   err = cudaLaunchKernel(kernel.function, grid, dim3(kernel.threads), params, kernel.shared_bytes, stream);
   if (err != cudaSuccess || args.num_splits <= 1) return err;
   // A warp per query row of each tile.

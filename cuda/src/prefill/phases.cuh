@@ -318,6 +318,25 @@ __device__ __forceinline__ void store_blocked_group(uint8_t* tile, int p, int g,
       make_uint4(words[4], words[5], words[6], words[7]);
 }
 
+// A staged tile dequantized by THREADS threads (this one `thread`, reading level-pair copy
+// lane % COPIES): fp16 K and V tiles in the blocked layout, and the positions' flags.
+template <int BITS, int HEAD_DIM, int THREADS, int COPIES>
+__device__ __forceinline__ void dequantize_tile(const typename PrefillTileTraits<BITS, HEAD_DIM>::Stage& st,
+                                                const PrefillLevelPairs<BITS, COPIES>& level_pairs, int thread,
+                                                uint8_t* k, uint8_t* v, bool* position_ok) {
+  using T = PrefillTileTraits<BITS, HEAD_DIM>;
+#pragma unroll
+  for (int i = thread; i < T::kKvTile * T::kGroups; i += THREADS) {
+    int p, g;
+    blocked_item<T::kGroups>(i, p, g);
+    if (g == 0) position_ok[p] = st.position_ok[p];
+    uint32_t k_words[8], v_words[8];
+    dequantize_group<BITS, HEAD_DIM>(st, level_pairs, uint32_t(thread % 32 % COPIES), p, g, k_words, v_words);
+    store_blocked_group<HEAD_DIM>(k, p, g, k_words);
+    store_blocked_group<HEAD_DIM>(v, p, g, v_words);
+  }
+}
+
 // ---- Softmax ----------------------------------------------------------------------------------------
 
 // A product's score in log2 units: s·outer, or outer·tanh(s·inner) under a soft cap; `q_gain`, the
