@@ -33,6 +33,9 @@ struct PrefillWsTraits {
   // A ring of three at head_dim 128, two elsewhere: the producer fills one while the consumers
   // multiply another; the third lets it run two tiles ahead where that paid.
   static constexpr int kBuffers = HEAD_DIM == 128 ? 3 : 2;
+  // P·V of a tile left in flight until the next tile's scores are waited for, its buffer released
+  // then: with a ring of three the producer still has a tile's lead; with two it would wait for it.
+  static constexpr bool kValuesInFlight = kBuffers >= 3;
   // Registers per thread: kEntryRegisters at launch (ptxas gives a kernel with setmaxnreg all that
   // __launch_bounds__ allows), then the producer's dequantization in fewer and the consumers' scores
   // beside their output rows (128 of them at head_dim 256) in more, the producer's release paying.
@@ -194,6 +197,10 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
   for (int j = 0; j < B::kOutputTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   const uint32_t q_address = shared_address(q_tile);
 
+  // Tile t's buffer is free for tile t + kBuffers, where the producer has one to put there.
+  const auto release = [&](int t) {
+    if (t >= 0 && t + T::kBuffers < w.num_tiles) named_barrier_arrive(T::kEmptyBarrier + t % T::kBuffers, T::kThreads);
+  };
   for (int t = 0; t < w.num_tiles; ++t) {
     const int tile0 = w.first_tile0 + t * T::kKvTile, buffer = t % T::kBuffers;
     if (expanded)  // the producer's tile t
@@ -204,13 +211,17 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
     const bool masked = tile_needs_mask<T::kKvTile>(tile_positions_ok<T::kKvTile>(tl.position_ok, lane), rows, tile0);
     // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows -------------------------------------------------
     float s[B::kScoreTiles][4];
-    wgmma_scores<T::kKvTile, HEAD_DIM>(s, q_address, shared_address(tl.k));
+    wgmma_scores<T::kKvTile, HEAD_DIM>(s, q_address, shared_address(tl.k));  // waits for P·V of t - 1 too
+    if constexpr (T::kValuesInFlight) release(t - 1);
     prefill_softmax(s, o, m, l, score_map, masked, tl.position_ok, rows, tile0, lane);
     // ---- values: O += P·V ------------------------------------------------------------------------------
-    wgmma_values<HEAD_DIM>(o, s, shared_address(tl.v));
-    // The buffer is free for tile t + kBuffers, where the producer has one to put there.
-    if (t + T::kBuffers < w.num_tiles) named_barrier_arrive(T::kEmptyBarrier + buffer, T::kThreads);
+    issue_wgmma_values<HEAD_DIM>(o, s, shared_address(tl.v));
+    if constexpr (!T::kValuesInFlight) {
+      wgmma_wait<0>();
+      release(t);
+    }
   }
+  if constexpr (T::kValuesInFlight) wgmma_wait<0>();  // the last tile's P·V
 
   // ---- Finish: normalised rows in shared memory, then the store -----------------------------------------
   named_barrier_sync(T::kConsumersBarrier, 128 * T::kConsumers);  // every consumer is done with the tiles

@@ -447,12 +447,13 @@ __device__ __forceinline__ void weight_fragments(const float (&s)[SCORE_TILES][4
   p[3] = half2_bits(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
-// O += P·V of a warpgroup's 64 rows on wgmma, issued and waited for: P the weights (from registers,
-// weight_fragments), V MN-major in the blocked layout (head_dim contiguous, positions the reduced
-// dimension; blocks of 8 positions, HEAD_DIM · 16 bytes).
+// O += P·V of a warpgroup's 64 rows on wgmma, issued and committed but not waited for: P the
+// weights (from registers, weight_fragments), V MN-major in the blocked layout (head_dim
+// contiguous, positions the reduced dimension; blocks of 8 positions, HEAD_DIM · 16 bytes). V and
+// o stay the products' until the warpgroup's next wgmma_wait.
 template <int HEAD_DIM, int SCORE_TILES>
-__device__ __forceinline__ void wgmma_values(float (&o)[HEAD_DIM / 8][4], const float (&s)[SCORE_TILES][4],
-                                             uint32_t v_address) {
+__device__ __forceinline__ void issue_wgmma_values(float (&o)[HEAD_DIM / 8][4], const float (&s)[SCORE_TILES][4],
+                                                   uint32_t v_address) {
   constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;
   wgmma_fence();
 #pragma unroll
@@ -462,6 +463,13 @@ __device__ __forceinline__ void wgmma_values(float (&o)[HEAD_DIM / 8][4], const 
     wgmma_rs_mn<HEAD_DIM>(o, p_frag, matrix_descriptor(v_address + kk * 2 * kRowBlockBytes, kRowBlockBytes, 128));
   }
   wgmma_commit();
+}
+
+// The same, waited for.
+template <int HEAD_DIM, int SCORE_TILES>
+__device__ __forceinline__ void wgmma_values(float (&o)[HEAD_DIM / 8][4], const float (&s)[SCORE_TILES][4],
+                                             uint32_t v_address) {
+  issue_wgmma_values<HEAD_DIM>(o, s, v_address);
   wgmma_wait<0>();
 }
 
