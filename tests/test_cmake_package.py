@@ -189,9 +189,10 @@ class Tools:
     cmake: str
     generator: list[str]  # -G and -DCMAKE_MAKE_PROGRAM arguments
 
-    def configure(self, source: Path, build: Path, *defines: str) -> subprocess.CompletedProcess:
+    def configure(self, source: Path, build: Path, *defines: str,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
         return _run([self.cmake, "-S", source, "-B", build, *self.generator, *defines],
-                    CONFIGURE_TIMEOUT_S)
+                    CONFIGURE_TIMEOUT_S, env=env)
 
     def build(self, build: Path) -> subprocess.CompletedProcess:
         return _run([self.cmake, "--build", build, "--parallel", "--verbose"], BUILD_TIMEOUT_S)
@@ -246,6 +247,29 @@ def installed(tools: Tools, tmp_path_factory: pytest.TempPathFactory) -> Install
     libraries = sorted(prefix.glob("lib*/libfp8kturbov.so"))
     assert len(libraries) == 1, f"libfp8kturbov.so under {prefix}: {libraries}"
     return Installed(prefix, libraries[0].parent, build, _project_version())
+
+
+def test_architectures_from_the_environment_are_the_caches(tools: Tools, tmp_path: Path):
+    """``$FP8KTURBOV_CUDA_ARCHITECTURES`` sets a build's architectures on its first configure and
+    the cache holds them (what the build compiles for, as tools read it back); a later configure of
+    the same build with another value there keeps the cache's and warns, naming both."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no CUDA compiler (CUDACXX, nvcc on PATH or /usr/local/cuda/bin/nvcc)")
+    build = tmp_path / "build"
+    common = ("-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DFP8KTURBOV_HEAD_DIMS=128",
+              "-DFP8KTURBOV_V_BITS=3")
+
+    def cached() -> str:
+        found = re.search(r"^FP8KTURBOV_CUDA_ARCHITECTURES:\w+=(.*)$", (build / "CMakeCache.txt").read_text(), re.M)
+        assert found, "FP8KTURBOV_CUDA_ARCHITECTURES not in the cache"
+        return found.group(1)
+
+    first = tools.configure(REPO, build, *common, env=dict(os.environ, FP8KTURBOV_CUDA_ARCHITECTURES="90a-real"))
+    assert cached() == "90a-real" and "FP8KTURBOV_CUDA_ARCHITECTURES is" not in first.stderr
+    again = tools.configure(REPO, build, *common, env=dict(os.environ, FP8KTURBOV_CUDA_ARCHITECTURES="80-real"))
+    assert cached() == "90a-real"
+    assert '"80-real" in the environment but "90a-real" in this build\'s cache' in " ".join(again.stderr.split())
 
 
 # ---- The installed files -------------------------------------------------------------------------
