@@ -25,8 +25,9 @@ __global__ void __launch_bounds__(PrefillTileTraits<BITS, HEAD_DIM>::kCopyThread
   w.kv_head = int(blockIdx.y);
   if (!sequence_query_rows(a, w.seq, w.row0, w.q_len) || w.q_len <= 0) return;  // the prefill reports
   w.seq_len = clamped_seq_len(a, __ldg(a.seq_lens + w.seq));
-  // The positions the chunk's rows attend: from its first token's window on.
-  w.range_begin = window_start(a, max(w.seq_len - w.q_len + 1, 0));
+  // The positions the chunk's rows attend: from its first row's window to its last row's end.
+  w.first_flat = 0;
+  w.range_begin = prefill_row(a, w, 0).begin;
   w.range_end = w.seq_len;
   const int tile0 = int(blockIdx.x) * T::kKvTile;
   if (tile0 + T::kKvTile <= w.range_begin || tile0 >= w.range_end) return;  // a tile no CTA reads
@@ -35,9 +36,7 @@ __global__ void __launch_bounds__(PrefillTileTraits<BITS, HEAD_DIM>::kCopyThread
   copier.copy(stage, tile0, copier.page(tile0));
   copy_async_wait<0>();
   __syncthreads();
-  typename T::Tile& out = *reinterpret_cast<typename T::Tile*>(
-      a.expanded_kv +
-      ((uint64_t(w.seq) * a.num_kv_heads + uint32_t(w.kv_head)) * a.expanded_tiles + blockIdx.x) * a.expanded_tile_bytes);
+  typename T::Tile& out = *reinterpret_cast<typename T::Tile*>(expanded_tile(a, w.seq, w.kv_head, blockIdx.x));
   dequantize_tile<BITS, HEAD_DIM, B::kCopyThreads>(stage, level_pairs, tid, out.k, out.v, out.position_ok);
 }
 

@@ -129,8 +129,7 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
     release_registers<T::kProducerRegisters>();
     if (expanded) {
       // Each tile whole from the expanded context, by one thread's bulk copy.
-      const uint8_t* const tiles = a.expanded_kv + (uint64_t(w.seq) * a.num_kv_heads + uint32_t(w.kv_head)) *
-                                                       a.expanded_tiles * a.expanded_tile_bytes;
+      const uint8_t* const tiles = expanded_tile(a, w.seq, w.kv_head, 0);
       for (int t = 0; t < w.num_tiles; ++t) {
         const int buffer = t % T::kBuffers;
         if (t >= T::kBuffers) named_barrier_sync(T::kEmptyBarrier + buffer, T::kThreads);

@@ -92,6 +92,13 @@ __device__ __forceinline__ PrefillRow prefill_row(const PrefillArgs& a, const Pr
   return row;
 }
 
+// Tile `tile` (of positions [tile · kv_tile, ...)) of (sequence, KV head)'s expanded context
+// (PrefillArgs::expanded_kv).
+__device__ __forceinline__ uint8_t* expanded_tile(const PrefillArgs& a, uint32_t seq, int kv_head, uint64_t tile) {
+  return a.expanded_kv + ((uint64_t(seq) * a.num_kv_heads + uint32_t(kv_head)) * a.expanded_tiles + tile) *
+                             a.expanded_tile_bytes;
+}
+
 // The CTA's work with query tiles of QUERY_ROWS rows; false (CTA-uniform) where it has none: a
 // chunk that ends before its tile, or a query_start that checked mode reports. `reporter`: the one
 // thread of the grid that reports what checked mode finds here.
