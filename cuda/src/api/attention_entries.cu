@@ -380,7 +380,7 @@ fp8kturbov_status_t plan_prefill_on_device(const char* entry, const fp8kturbov_p
                                            uint64_t workspace_bytes, PrefillPlan* plan) {
   int device = 0, multiprocessors = 0, major = 0, minor = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = current_multiprocessors(&multiprocessors);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err != cudaSuccess) return report_cuda(err, entry, "device query");

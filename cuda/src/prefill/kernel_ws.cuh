@@ -30,12 +30,9 @@ struct PrefillWsTraits {
   static_assert(kQueryRows == int(kPrefillWsQueryRows), "the planner's tiles");
   static constexpr int kKvTile = Base::kKvTile;
   static constexpr int kGroups = Base::kGroups;
-  // A ring of three at head_dim 128, two elsewhere: the producer fills one while the consumers
-  // multiply another; the third lets it run two tiles ahead where that paid.
-  static constexpr int kBuffers = HEAD_DIM == 128 ? 3 : 2;
-  // P·V of a tile left in flight until the next tile's scores are waited for, its buffer released
-  // then: with a ring of three the producer still has a tile's lead; with two it would wait for it.
-  static constexpr bool kValuesInFlight = kBuffers >= 3;
+  // A ring of three: the consumers hold two tiles at a time (one's P·V in flight while the next
+  // one's scores are taken), the producer fills the third.
+  static constexpr int kBuffers = 3;
   // Registers per thread: kEntryRegisters at launch (ptxas gives a kernel with setmaxnreg all that
   // __launch_bounds__ allows), then the producer's dequantization in fewer and the consumers' scores
   // beside their output rows (128 of them at head_dim 256) in more, the producer's release paying.
@@ -198,9 +195,16 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
 
   // Tile t's buffer is free for tile t + kBuffers, where the producer has one to put there.
   const auto release = [&](int t) {
-    if (t >= 0 && t + T::kBuffers < w.num_tiles) named_barrier_arrive(T::kEmptyBarrier + t % T::kBuffers, T::kThreads);
+    if (t + T::kBuffers < w.num_tiles) named_barrier_arrive(T::kEmptyBarrier + t % T::kBuffers, T::kThreads);
   };
-  for (int t = 0; t < w.num_tiles; ++t) {
+  // P·V of tile t - 1 runs on the tensor cores while tile t's weights are computed: its product is
+  // issued after tile t's scores, the scores alone are waited for, and the output rows, which the
+  // product still holds, are rescaled once it is done. (Tile 0 has no P·V before it: a step of its
+  // own, so that the loop's steps have no branch around their products.)
+  uint32_t p[B::kScoreTiles / 2][4];  // tile t - 1's weights: the A fragments of its P·V
+  const auto values_address = [&](int t) { return shared_address(sh.work.tiles[t % T::kBuffers].v); };
+  const auto step = [&](int t, auto after_values) {
+    constexpr bool kAfterValues = decltype(after_values)::value;  // P·V of tile t - 1 still to do
     const int tile0 = w.first_tile0 + t * T::kKvTile, buffer = t % T::kBuffers;
     if (expanded)  // the producer's tile t
       barrier_wait(shared_address(&sh.expanded_full[buffer]), uint32_t(t / T::kBuffers) & 1u);
@@ -208,19 +212,39 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
       named_barrier_sync(T::kFullBarrier + buffer, T::kThreads);
     const typename T::Tile& tl = sh.work.tiles[buffer];
     const bool masked = tile_needs_mask<T::kKvTile>(tile_positions_ok<T::kKvTile>(tl.position_ok, lane), rows, tile0);
-    // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows -------------------------------------------------
+    // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows; beside them O += P·V of tile t - 1 --------------
     float s[B::kScoreTiles][4];
-    wgmma_scores<T::kKvTile, HEAD_DIM>(s, q_address, shared_address(tl.k));  // waits for P·V of t - 1 too
-    if constexpr (T::kValuesInFlight) release(t - 1);
-    prefill_softmax(s, o, m, l, score_map, masked, tl.position_ok, rows, tile0, lane);
-    // ---- values: O += P·V ------------------------------------------------------------------------------
-    issue_wgmma_values<HEAD_DIM>(o, s, shared_address(tl.v));
-    if constexpr (!T::kValuesInFlight) {
+    wgmma_fence_operands(o);
+    wgmma_fence_operands(p);
+    issue_wgmma_scores<T::kKvTile, HEAD_DIM>(s, q_address, shared_address(tl.k));
+    if constexpr (kAfterValues) {
+      issue_wgmma_values<HEAD_DIM>(o, p, values_address(t - 1));
+      wgmma_wait<1>();  // the scores
+    } else {
       wgmma_wait<0>();
-      release(t);
     }
+    wgmma_fence_operands(s);
+    // ---- weights: the online softmax ---------------------------------------------------------------
+    float correction[2];
+    softmax_weights(s, m, l, correction, score_map, masked, tl.position_ok, rows, tile0, lane);
+    if constexpr (kAfterValues) {
+      wgmma_wait<0>();  // P·V of tile t - 1
+      release(t - 1);
+    }
+    wgmma_fence_operands(o);
+    wgmma_fence_operands(p);
+    rescale_rows(o, correction);
+    weight_fragments(s, p);
+  };
+  if (w.num_tiles > 0) {
+    step(0, std::false_type{});
+    for (int t = 1; t < w.num_tiles; ++t) step(t, std::true_type{});
+    wgmma_fence_operands(o);
+    wgmma_fence_operands(p);
+    issue_wgmma_values<HEAD_DIM>(o, p, values_address(w.num_tiles - 1));  // the last tile's
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
   }
-  if constexpr (T::kValuesInFlight) wgmma_wait<0>();  // the last tile's P·V
 
   // ---- Finish: normalised rows in shared memory, then the store -----------------------------------------
   named_barrier_sync(T::kConsumersBarrier, 128 * T::kConsumers);  // every consumer is done with the tiles

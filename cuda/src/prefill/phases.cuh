@@ -384,12 +384,14 @@ __device__ __forceinline__ bool tile_needs_mask(bool tile_ok, const PrefillRow (
 }
 
 // The online softmax of a tile's scores for the thread's two rows (lane / 4 and lane / 4 + 8 of its
-// warp's 16, in the accumulators' layout): scores to log2 units, masked (where `masked`: a position
-// outside the row's range or not ok), the running maxima m and denominators l (the thread's share)
-// updated, the output rows o rescaled, and s replaced by the weights in [0, 1].
-template <int SCORE_TILES, int OUTPUT_TILES>
-__device__ __forceinline__ void prefill_softmax(float (&s)[SCORE_TILES][4], float (&o)[OUTPUT_TILES][4], float (&m)[2],
-                                                float (&l)[2], const PrefillScoreMap& map, bool masked,
+// warp's 16, in the accumulators' layout), in two parts so that the output rows may still be in a
+// product's hands during the first. softmax_weights: scores to log2 units, masked (where `masked`: a
+// position outside the row's range or not ok), the running maxima m and denominators l (the
+// thread's share) updated, s replaced by the weights in [0, 1], and the factor by which each row's
+// output is to shrink left in `correction`; rescale_rows applies it.
+template <int SCORE_TILES>
+__device__ __forceinline__ void softmax_weights(float (&s)[SCORE_TILES][4], float (&m)[2], float (&l)[2],
+                                                float (&correction)[2], const PrefillScoreMap& map, bool masked,
                                                 const bool* position_ok, const PrefillRow (&rows)[2], int tile0,
                                                 uint32_t lane) {
   float tile_max[2] = {-INFINITY, -INFINITY};
@@ -418,7 +420,6 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[SCORE_TILES][4], floa
     map.capped ? map_scores(yes{}, yes{}) : map_scores(yes{}, no{});
   else
     map.capped ? map_scores(no{}, yes{}) : map_scores(no{}, no{});
-  float correction[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
@@ -435,6 +436,10 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[SCORE_TILES][4], floa
       l[h] += s[j][2 * h] + s[j][2 * h + 1];
     }
   }
+}
+
+template <int OUTPUT_TILES>
+__device__ __forceinline__ void rescale_rows(float (&o)[OUTPUT_TILES][4], const float (&correction)[2]) {
 #pragma unroll
   for (int j = 0; j < OUTPUT_TILES; ++j) {
     o[j][0] *= correction[0];
@@ -442,6 +447,17 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[SCORE_TILES][4], floa
     o[j][2] *= correction[1];
     o[j][3] *= correction[1];
   }
+}
+
+// Both parts at once.
+template <int SCORE_TILES, int OUTPUT_TILES>
+__device__ __forceinline__ void prefill_softmax(float (&s)[SCORE_TILES][4], float (&o)[OUTPUT_TILES][4], float (&m)[2],
+                                                float (&l)[2], const PrefillScoreMap& map, bool masked,
+                                                const bool* position_ok, const PrefillRow (&rows)[2], int tile0,
+                                                uint32_t lane) {
+  float correction[2];
+  softmax_weights(s, m, l, correction, map, masked, position_ok, rows, tile0, lane);
+  rescale_rows(o, correction);
 }
 
 // The weights of positions [16·kk, 16·kk + 16) as the A fragments of P·V: the score accumulators'
@@ -453,30 +469,35 @@ __device__ __forceinline__ void weight_fragments(const float (&s)[SCORE_TILES][4
   p[2] = half2_bits(s[2 * kk + 1][0], s[2 * kk + 1][1]);
   p[3] = half2_bits(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
+// All of a tile's.
+template <int SCORE_TILES>
+__device__ __forceinline__ void weight_fragments(const float (&s)[SCORE_TILES][4], uint32_t (&p)[SCORE_TILES / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < SCORE_TILES / 2; ++kk) weight_fragments(s, kk, p[kk]);
+}
 
 // O += P·V of a warpgroup's 64 rows on wgmma, issued and committed but not waited for: P the
-// weights (from registers, weight_fragments), V MN-major in the blocked layout (head_dim
-// contiguous, positions the reduced dimension; blocks of 8 positions, HEAD_DIM · 16 bytes). V and
-// o stay the products' until the warpgroup's next wgmma_wait.
-template <int HEAD_DIM, int SCORE_TILES>
-__device__ __forceinline__ void issue_wgmma_values(float (&o)[HEAD_DIM / 8][4], const float (&s)[SCORE_TILES][4],
+// weights' fragments (weight_fragments), V MN-major in the blocked layout (head_dim contiguous,
+// positions the reduced dimension; blocks of 8 positions, HEAD_DIM · 16 bytes). V, p and o stay
+// the products' until the warpgroup's next wgmma_wait.
+template <int HEAD_DIM, int STEPS>
+__device__ __forceinline__ void issue_wgmma_values(float (&o)[HEAD_DIM / 8][4], const uint32_t (&p)[STEPS][4],
                                                    uint32_t v_address) {
   constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < SCORE_TILES / 2; ++kk) {
-    uint32_t p_frag[4];
-    weight_fragments(s, kk, p_frag);
-    wgmma_rs_mn<HEAD_DIM>(o, p_frag, matrix_descriptor(v_address + kk * 2 * kRowBlockBytes, kRowBlockBytes, 128));
-  }
+  for (int kk = 0; kk < STEPS; ++kk)
+    wgmma_rs_mn<HEAD_DIM>(o, p[kk], matrix_descriptor(v_address + kk * 2 * kRowBlockBytes, kRowBlockBytes, 128));
   wgmma_commit();
 }
 
-// The same, waited for.
+// The same from the weights, waited for.
 template <int HEAD_DIM, int SCORE_TILES>
 __device__ __forceinline__ void wgmma_values(float (&o)[HEAD_DIM / 8][4], const float (&s)[SCORE_TILES][4],
                                              uint32_t v_address) {
-  issue_wgmma_values<HEAD_DIM>(o, s, v_address);
+  uint32_t p[SCORE_TILES / 2][4];
+  weight_fragments(s, p);
+  issue_wgmma_values<HEAD_DIM>(o, p, v_address);
   wgmma_wait<0>();
 }
 

@@ -53,6 +53,23 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 #endif
 }
+// Pins a product's registers here: the compiler moves no instruction that reads or writes them across
+// this point, so that none lands between a product's issue and the wgmma_wait that ends it (ptxas
+// would then serialise the products).
+template <int TILES>
+__device__ __forceinline__ void wgmma_fence_operands(float (&r)[TILES][4]) {
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(r[j][e])::"memory");
+}
+template <int TILES>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[TILES][4]) {
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[j][e])::"memory");
+}
 // Shared-memory writes of this thread visible to the asynchronous proxy (the products' reads).
 __device__ __forceinline__ void fence_shared_for_wgmma() {
 #if FP8KTURBOV_WGMMA
@@ -124,10 +141,11 @@ __device__ __forceinline__ void wgmma_rs_mn<256>(float (&d)[32][4], const uint32
 #endif
 }
 
-// S = Q·Kᵀ of a warpgroup's 64 query rows and N positions, issued and waited for: the Q and K tiles
-// K-major in the blocked layout (blocks of 8 rows, HEAD_DIM · 16 bytes; head_dim the reduced dimension).
+// S = Q·Kᵀ of a warpgroup's 64 query rows and N positions, issued and committed but not waited for:
+// the Q and K tiles K-major in the blocked layout (blocks of 8 rows, HEAD_DIM · 16 bytes; head_dim
+// the reduced dimension). s stays the products' until the warpgroup's next wgmma_wait.
 template <int N, int HEAD_DIM>
-__device__ __forceinline__ void wgmma_scores(float (&s)[N / 8][4], uint32_t q_address, uint32_t k_address) {
+__device__ __forceinline__ void issue_wgmma_scores(float (&s)[N / 8][4], uint32_t q_address, uint32_t k_address) {
   constexpr uint32_t kRowBlockBytes = HEAD_DIM * 16;
   wgmma_fence();
 #pragma unroll
@@ -135,6 +153,12 @@ __device__ __forceinline__ void wgmma_scores(float (&s)[N / 8][4], uint32_t q_ad
     wgmma_ss_kk<N>(s, matrix_descriptor(q_address + ks * 256, 128, kRowBlockBytes),
                    matrix_descriptor(k_address + ks * 256, 128, kRowBlockBytes), ks > 0);
   wgmma_commit();
+}
+
+// The same, waited for.
+template <int N, int HEAD_DIM>
+__device__ __forceinline__ void wgmma_scores(float (&s)[N / 8][4], uint32_t q_address, uint32_t k_address) {
+  issue_wgmma_scores<N, HEAD_DIM>(s, q_address, k_address);
   wgmma_wait<0>();
 }
 
