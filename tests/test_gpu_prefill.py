@@ -77,7 +77,7 @@ CASES = [
       for b, d, options in ((2, 64, {}), (3, 128, {}), (4, 256, {}), (3, 128, dict(workspace=False)),
                             (3, 128, dict(sinks=True, soft_cap=10.0)), (2, 128, dict(rotation=True, window=300)),
                             (4, 256, dict(rotation=True, sinks=True)), (3, 64, dict(checked=True, group=8)),
-                            (3, 128, dict(q_lens=(16, 16, 5, 1))))),
+                            (3, 128, dict(q_lens=(16, 16, 5, 1))), (4, 128, dict(group=8)))),
 ]
 
 

@@ -15,7 +15,7 @@ namespace fp8kturbov {
 template <int BITS, int HEAD_DIM>
 __global__ void __launch_bounds__(PrefillTileTraits<BITS, HEAD_DIM>::kCopyThreads)
     prefill_expand_kernel(const PrefillArgs a) {
-  using T = PrefillWsTraits<BITS, HEAD_DIM>;
+  using T = PrefillWsTraits<BITS, HEAD_DIM, prefill_ws_step_tiles(HEAD_DIM, true)>;  // its tile
   using B = typename T::Base;
   __shared__ typename B::Stage stage;
   __shared__ PrefillLevelPairs<BITS, T::kLevelPairCopies> level_pairs;

@@ -3,8 +3,10 @@
 // layout, a ring of kBuffers of them; kConsumers consumer warpgroups, 64 query rows each, multiply
 // them with wgmma (Q·Kᵀ from shared memory, P·V with P from registers) and keep the online softmax.
 // The producer dequantizes tile t + 1 while the consumers multiply tile t, and one dequantized tile
-// serves all kConsumers · 64 rows. The hand-over is by named barriers per buffer: FULL(b) (the
-// producer arrives, the consumers wait) and EMPTY(b) (the consumers arrive, the producer waits).
+// serves all kConsumers · 64 rows. The consumers take the tiles one at a time, or two per softmax
+// step (kStepTiles) where the tiles come whole from an expanded context. The hand-over is by named
+// barriers per buffer: FULL(b) (the producer arrives, the consumers wait) and EMPTY(b) (the
+// consumers arrive, the producer waits).
 // Each buffer's n-th FULL completes before its (n+1)-th arrival and each EMPTY likewise, since the
 // other side must pass the one before. (compute-sanitizer's racecheck does not follow such
 // bar.arrive → bar.sync hand-overs: it reports the same hazards for two warps that pass one buffer
@@ -21,7 +23,16 @@
 
 namespace fp8kturbov {
 
-template <int BITS, int HEAD_DIM>
+// Tiles per step of the warp-specialised kernel for a launch (PrefillWsTraits::kStepTiles): one
+// softmax over the scores of that many tiles, so that its fixed work (the row maxima's shuffles, the
+// corrections, O's rescale, the barrier waits) is paid once for them. Two at head_dim 128 over an
+// expanded context, where that paid; the consumers then need 224 registers, which leaves the producer
+// too few to dequantize (it only copies there). At head_dim 256 two tiles' scores spill.
+FP8KTURBOV_HOST_DEVICE constexpr int prefill_ws_step_tiles(int head_dim, bool expanded) {
+  return head_dim == 128 && expanded ? 2 : 1;
+}
+
+template <int BITS, int HEAD_DIM, int STEP_TILES>
 struct PrefillWsTraits {
   using Base = PrefillTileTraits<BITS, HEAD_DIM>;
   static constexpr int kConsumers = 2;
@@ -30,15 +41,24 @@ struct PrefillWsTraits {
   static_assert(kQueryRows == int(kPrefillWsQueryRows), "the planner's tiles");
   static constexpr int kKvTile = Base::kKvTile;
   static constexpr int kGroups = Base::kGroups;
-  // A ring of three: the consumers hold two tiles at a time (one's P·V in flight while the next
-  // one's scores are taken), the producer fills the third.
-  static constexpr int kBuffers = 3;
+  static constexpr int kStepTiles = STEP_TILES;
+  // Steps of several tiles read an expanded context only: their producer copies, never dequantizes.
+  static constexpr bool kExpandedOnly = kStepTiles > 1;
+  // With steps of one tile, a step's P·V is issued after the next step's Q·Kᵀ and runs beside that
+  // step's weights; with steps of two, it is issued at the end of its step and left in flight across
+  // the next step's barrier. Each paid only there.
+  static constexpr bool kWeightsBesideValues = kStepTiles == 1;
+  // The ring: the consumers hold two steps' tiles at a time (one step's P·V in flight while the next
+  // one's scores are taken); with steps of one tile a third buffer lets the producer fill ahead.
+  static constexpr int kBuffers = kStepTiles == 1 ? 3 : 2 * kStepTiles;
   // Registers per thread: kEntryRegisters at launch (ptxas gives a kernel with setmaxnreg all that
-  // __launch_bounds__ allows), then the producer's dequantization in fewer and the consumers' scores
-  // beside their output rows (128 of them at head_dim 256) in more, the producer's release paying.
+  // __launch_bounds__ allows), then the producer's work in fewer and the consumers' scores beside
+  // their output rows in more, the producer's release paying. Below 224 the consumers of two-tile
+  // steps have their wgmma serialised (ptxas C7512).
   static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = 88;
-  static constexpr int kConsumerRegisters = 208;
+  static_assert(kThreads * kEntryRegisters > 65536 / 2, "one CTA per SM, as prefill_ctas_per_sm assumes");
+  static constexpr int kProducerRegisters = kStepTiles > 1 ? 56 : 88;
+  static constexpr int kConsumerRegisters = kStepTiles > 1 ? 224 : 208;
   static_assert(128 * (kEntryRegisters - kProducerRegisters) == 128 * kConsumers * (kConsumerRegisters - kEntryRegisters),
                 "the producer's release pays for the consumers' claims");
   static constexpr int kTileBytes = kKvTile * HEAD_DIM * 2;  // one fp16 K (or V) tile, blocked
@@ -97,11 +117,11 @@ __device__ __forceinline__ void claim_registers() {
 #endif
 }
 
-template <int BITS, int HEAD_DIM>
-__global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
+template <int BITS, int HEAD_DIM, int STEP_TILES>
+__global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>::kThreads, 1)
     paged_prefill_ws_kernel(const PrefillArgs a) {
 #if FP8KTURBOV_WGMMA
-  using T = PrefillWsTraits<BITS, HEAD_DIM>;
+  using T = PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>;
   using B = typename T::Base;
   extern __shared__ __align__(128) uint8_t prefill_ws_smem[];
   typename T::Shared& sh = *reinterpret_cast<typename T::Shared*>(prefill_ws_smem);
@@ -110,7 +130,7 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
 
   PrefillWork w;
   if (!prefill_work<T::kQueryRows, T::kKvTile>(a, tid == 0, w)) return;  // CTA-uniform
-  const bool expanded = a.expanded_kv != nullptr;
+  const bool expanded = T::kExpandedOnly || a.expanded_kv != nullptr;
   if (expanded) {
     if (tid == 0) {
       for (int b = 0; b < T::kBuffers; ++b) barrier_init(shared_address(&sh.expanded_full[b]));
@@ -197,52 +217,97 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM>::kThreads, 1)
   const auto release = [&](int t) {
     if (t + T::kBuffers < w.num_tiles) named_barrier_arrive(T::kEmptyBarrier + t % T::kBuffers, T::kThreads);
   };
-  // P·V of tile t - 1 runs on the tensor cores while tile t's weights are computed: its product is
-  // issued after tile t's scores, the scores alone are waited for, and the output rows, which the
-  // product still holds, are rescaled once it is done. (Tile 0 has no P·V before it: a step of its
-  // own, so that the loop's steps have no branch around their products.)
-  uint32_t p[B::kScoreTiles / 2][4];  // tile t - 1's weights: the A fragments of its P·V
-  const auto values_address = [&](int t) { return shared_address(sh.work.tiles[t % T::kBuffers].v); };
-  const auto step = [&](int t, auto after_values) {
-    constexpr bool kAfterValues = decltype(after_values)::value;  // P·V of tile t - 1 still to do
-    const int tile0 = w.first_tile0 + t * T::kKvTile, buffer = t % T::kBuffers;
-    if (expanded)  // the producer's tile t
-      barrier_wait(shared_address(&sh.expanded_full[buffer]), uint32_t(t / T::kBuffers) & 1u);
-    else
-      named_barrier_sync(T::kFullBarrier + buffer, T::kThreads);
-    const typename T::Tile& tl = sh.work.tiles[buffer];
-    const bool masked = tile_needs_mask<T::kKvTile>(tile_positions_ok<T::kKvTile>(tl.position_ok, lane), rows, tile0);
-    // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows; beside them O += P·V of tile t - 1 --------------
-    float s[B::kScoreTiles][4];
+  // A step's P·V is issued at its end and waited for with the next step's Q·Kᵀ; where the weights go
+  // beside it, it is issued after that Q·Kᵀ instead, the scores alone are waited for, and the output
+  // rows, which the product still holds, are rescaled once it is done. The first step has no P·V
+  // before it, and the last may take fewer tiles: steps of their own, so that the loop's steps have
+  // no branch around their products.
+  constexpr int kStepWeights = T::kStepTiles * B::kScoreTiles / 2;
+  uint32_t p[kStepWeights][4];  // the last step's weights: the A fragments of its P·V
+  const auto tile_of = [&](int t) -> const typename T::Tile& { return sh.work.tiles[t % T::kBuffers]; };
+  const auto issue_values = [&](int t, int tiles) {  // P·V of tiles t ... t + tiles - 1
     wgmma_fence_operands(o);
     wgmma_fence_operands(p);
-    issue_wgmma_scores<T::kKvTile, HEAD_DIM>(s, q_address, shared_address(tl.k));
-    if constexpr (kAfterValues) {
-      issue_wgmma_values<HEAD_DIM>(o, p, values_address(t - 1));
+#pragma unroll
+    for (int i = 0; i < T::kStepTiles; ++i)
+      if (i < tiles)
+        issue_wgmma_values<HEAD_DIM>(o, reinterpret_cast<uint32_t(&)[B::kScoreTiles / 2][4]>(p[i * B::kScoreTiles / 2]),
+                                     shared_address(tile_of(t + i).v));
+  };
+  // The step of tiles t ... t + STEP_TILES - 1, after the step of tiles prev ... prev + prev_tiles - 1.
+  const auto step = [&](int t, auto step_tiles, auto after_values, int prev, int prev_tiles) {
+    constexpr int kTiles = decltype(step_tiles)::value;
+    constexpr bool kAfterValues = decltype(after_values)::value;  // the previous step's P·V issued or to issue
+    constexpr bool kBeside = kAfterValues && T::kWeightsBesideValues;
+    const int tile0 = w.first_tile0 + t * T::kKvTile;
+    bool tiles_ok = true;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const int buffer = (t + i) % T::kBuffers;
+      if (expanded)  // the producer's tile t + i
+        barrier_wait(shared_address(&sh.expanded_full[buffer]), uint32_t((t + i) / T::kBuffers) & 1u);
+      else
+        named_barrier_sync(T::kFullBarrier + buffer, T::kThreads);
+      tiles_ok = tile_positions_ok<T::kKvTile>(tile_of(t + i).position_ok, lane) && tiles_ok;
+    }
+    const bool masked = tile_needs_mask<kTiles * T::kKvTile>(tiles_ok, rows, tile0);
+    // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows -------------------------------------------------
+    float s[kTiles * B::kScoreTiles][4];
+    wgmma_fence_operands(o);
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i)
+      issue_wgmma_scores<T::kKvTile, HEAD_DIM>(reinterpret_cast<float(&)[B::kScoreTiles][4]>(s[i * B::kScoreTiles]),
+                                               q_address, shared_address(tile_of(t + i).k));
+    const auto release_previous = [&] {
+      for (int i = 0; i < prev_tiles; ++i) release(prev + i);
+    };
+    if constexpr (kBeside) {
+      issue_values(prev, prev_tiles);
       wgmma_wait<1>();  // the scores
     } else {
-      wgmma_wait<0>();
+      wgmma_wait<0>();  // the scores and the previous step's P·V
+      if constexpr (kAfterValues) release_previous();
     }
     wgmma_fence_operands(s);
     // ---- weights: the online softmax ---------------------------------------------------------------
     float correction[2];
-    softmax_weights(s, m, l, correction, score_map, masked, tl.position_ok, rows, tile0, lane);
-    if constexpr (kAfterValues) {
-      wgmma_wait<0>();  // P·V of tile t - 1
-      release(t - 1);
+    softmax_weights(s, m, l, correction, score_map, masked,
+                    [&](int col) { return tile_of(t + col / T::kKvTile).position_ok[col % T::kKvTile]; }, rows,
+                    tile0, lane);
+    if constexpr (kBeside) {
+      wgmma_wait<0>();  // the previous step's P·V
+      release_previous();
     }
     wgmma_fence_operands(o);
     wgmma_fence_operands(p);
     rescale_rows(o, correction);
-    weight_fragments(s, p);
+    weight_fragments(s, reinterpret_cast<uint32_t(&)[kTiles * B::kScoreTiles / 2][4]>(p));
+    // ---- values: O += P·V, left in flight ----------------------------------------------------------
+    if constexpr (!T::kWeightsBesideValues) issue_values(t, kTiles);
   };
+  using One = std::integral_constant<int, 1>;
+  using Full = std::integral_constant<int, T::kStepTiles>;
   if (w.num_tiles > 0) {
-    step(0, std::false_type{});
-    for (int t = 1; t < w.num_tiles; ++t) step(t, std::true_type{});
-    wgmma_fence_operands(o);
-    wgmma_fence_operands(p);
-    issue_wgmma_values<HEAD_DIM>(o, p, values_address(w.num_tiles - 1));  // the last tile's
-    wgmma_wait<0>();
+    int t = 0, prev_tiles = 0;
+    if (w.num_tiles >= T::kStepTiles) {
+      step(0, Full{}, std::false_type{}, 0, 0);
+      prev_tiles = T::kStepTiles;
+    } else {
+      step(0, One{}, std::false_type{}, 0, 0);
+      prev_tiles = 1;
+    }
+    for (t = prev_tiles; t + T::kStepTiles <= w.num_tiles; t += T::kStepTiles) {
+      step(t, Full{}, std::true_type{}, t - prev_tiles, prev_tiles);
+      prev_tiles = T::kStepTiles;
+    }
+    if constexpr (T::kStepTiles > 1) {
+      for (; t < w.num_tiles; ++t) {  // the last tiles, fewer than a step
+        step(t, One{}, std::true_type{}, t - prev_tiles, prev_tiles);
+        prev_tiles = 1;
+      }
+    }
+    if constexpr (T::kWeightsBesideValues) issue_values(t - prev_tiles, prev_tiles);
+    wgmma_wait<0>();  // the last step's P·V
     wgmma_fence_operands(o);
   }
 

@@ -22,23 +22,29 @@ struct PrefillKernel {
   int shared_bytes;
 };
 
+template <int BITS, int HEAD_DIM, int STEP_TILES>
+PrefillKernel prefill_ws_kernel() {
+  using T = PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>;
+  return {reinterpret_cast<const void*>(&paged_prefill_ws_kernel<BITS, HEAD_DIM, STEP_TILES>), T::kThreads,
+          int(sizeof(typename T::Shared))};
+}
+
 template <int BITS, int HEAD_DIM>
-cudaError_t prefill_kernel(bool warp_specialized, PrefillKernel* kernel) {
-  if (warp_specialized) {
-    using T = PrefillWsTraits<BITS, HEAD_DIM>;
-    *kernel = {reinterpret_cast<const void*>(&paged_prefill_ws_kernel<BITS, HEAD_DIM>), T::kThreads,
-               int(sizeof(typename T::Shared))};
-  } else {
+cudaError_t prefill_kernel(bool warp_specialized, bool expanded, PrefillKernel* kernel) {
+  if (!warp_specialized)
     *kernel = {reinterpret_cast<const void*>(&paged_prefill_kernel<BITS, HEAD_DIM>), kPrefillThreads,
                int(sizeof(typename PrefillTraits<BITS, HEAD_DIM>::Shared))};
-  }
+  else
+    *kernel = expanded ? prefill_ws_kernel<BITS, HEAD_DIM, prefill_ws_step_tiles(HEAD_DIM, true)>()
+                       : prefill_ws_kernel<BITS, HEAD_DIM, prefill_ws_step_tiles(HEAD_DIM, false)>();
   return cudaFuncSetAttribute(kernel->function, cudaFuncAttributeMaxDynamicSharedMemorySize, kernel->shared_bytes);
 }
 
 template <int BITS, int HEAD_DIM>
 cudaError_t launch_paged_prefill(const PrefillArgs& args, cudaStream_t stream) {
   PrefillKernel kernel{};
-  cudaError_t err = prefill_kernel<BITS, HEAD_DIM>(args.query_tile_rows == kPrefillWsQueryRows, &kernel);
+  cudaError_t err =
+      prefill_kernel<BITS, HEAD_DIM>(args.query_tile_rows == kPrefillWsQueryRows, args.expanded_kv != nullptr, &kernel);
   if (err != cudaSuccess) return err;
   // < 2^31, <= 65535 and <= kPrefillMaxSplits: validated and planned
   const dim3 grid(args.num_seqs * args.tiles_per_seq, args.num_kv_heads, args.num_splits);
@@ -60,11 +66,13 @@ cudaError_t launch_paged_prefill(const PrefillArgs& args, cudaStream_t stream) {
 
 template <int BITS, int HEAD_DIM>
 cudaError_t prefill_ctas_per_sm(int device, bool warp_specialized, int* count) {
-  static PerDeviceCache caches[2];  // the answer depends on the device and the kernel only
+  // The answer depends on the device and the kernel only; the kernels over an expanded context hold
+  // as many CTAs as the others (one: PrefillWsTraits).
+  static PerDeviceCache caches[2];
   PerDeviceCache& cache = caches[warp_specialized];
   if ((*count = cache.get(device)) > 0) return cudaSuccess;
   PrefillKernel kernel{};
-  cudaError_t err = prefill_kernel<BITS, HEAD_DIM>(warp_specialized, &kernel);
+  cudaError_t err = prefill_kernel<BITS, HEAD_DIM>(warp_specialized, false, &kernel);
   if (err == cudaSuccess)
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel.function, kernel.threads, kernel.shared_bytes);
   if (err != cudaSuccess) return err;

@@ -389,11 +389,11 @@ __device__ __forceinline__ bool tile_needs_mask(bool tile_ok, const PrefillRow (
 // position outside the row's range or not ok), the running maxima m and denominators l (the
 // thread's share) updated, s replaced by the weights in [0, 1], and the factor by which each row's
 // output is to shrink left in `correction`; rescale_rows applies it.
-template <int SCORE_TILES>
+template <int SCORE_TILES, typename PositionOk>
 __device__ __forceinline__ void softmax_weights(float (&s)[SCORE_TILES][4], float (&m)[2], float (&l)[2],
                                                 float (&correction)[2], const PrefillScoreMap& map, bool masked,
-                                                const bool* position_ok, const PrefillRow (&rows)[2], int tile0,
-                                                uint32_t lane) {
+                                                const PositionOk& position_ok, const PrefillRow (&rows)[2],
+                                                int tile0, uint32_t lane) {
   float tile_max[2] = {-INFINITY, -INFINITY};
   // The mask and the soft cap are the warp's choices for the whole tile: one loop each, so that a
   // tile which needs neither runs without their instructions.
@@ -407,7 +407,7 @@ __device__ __forceinline__ void softmax_weights(float (&s)[SCORE_TILES][4], floa
           const int col = j * 8 + 2 * int(lane % 4) + (e & 1);
           const PrefillRow& row = rows[e / 2];
           const int pos = tile0 + col;
-          if (!(position_ok[col] && pos >= row.begin && pos < row.end)) x = -INFINITY;
+          if (!(position_ok(col) && pos >= row.begin && pos < row.end)) x = -INFINITY;
         }
         s[j][e] = x;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
@@ -456,7 +456,7 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[SCORE_TILES][4], floa
                                                 const bool* position_ok, const PrefillRow (&rows)[2], int tile0,
                                                 uint32_t lane) {
   float correction[2];
-  softmax_weights(s, m, l, correction, map, masked, position_ok, rows, tile0, lane);
+  softmax_weights(s, m, l, correction, map, masked, [&](int col) { return position_ok[col]; }, rows, tile0, lane);
   rescale_rows(o, correction);
 }
 
