@@ -238,18 +238,7 @@ Params without_pools(const Params& p) {
   return scalars;
 }
 
-// Multiprocessors of the current device: a cached attribute read, no synchronisation.
-cudaError_t current_multiprocessors(int* count) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
-}
-
-cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, bool head_groups, int* count) {
-  int device = 0;
-  const cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
+cudaError_t dispatch_decode_ctas_per_sm(int device, uint32_t bits, uint32_t head_dim, bool head_groups, int* count) {
 #define FP8KTURBOV_DECODE_CASE(BITS, HEAD_DIM) \
   if (bits == BITS && head_dim == HEAD_DIM) return decode_ctas_per_sm<BITS, HEAD_DIM>(device, head_groups, count);
 #include "dispatch_decode.inc"
@@ -263,10 +252,12 @@ cudaError_t dispatch_decode_ctas_per_sm(uint32_t bits, uint32_t head_dim, bool h
 fp8kturbov_status_t plan_decode_on_device(const char* entry, const fp8kturbov_decode_params_t& p,
                                           uint64_t workspace_bytes, DecodePlan* plan) {
   DecodeDevice device;
-  cudaError_t err = current_multiprocessors(&device.multiprocessors);
+  int ordinal = 0;
+  cudaError_t err = cudaGetDevice(&ordinal);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&device.multiprocessors, cudaDevAttrMultiProcessorCount, ordinal);
   if (err != cudaSuccess) return report_cuda(err, entry, "device query");
-  err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, false, &device.ctas_per_sm);
-  if (err == cudaSuccess) err = dispatch_decode_ctas_per_sm(p.v_bits, p.head_dim, true, &device.head_group_ctas_per_sm);
+  err = dispatch_decode_ctas_per_sm(ordinal, p.v_bits, p.head_dim, false, &device.ctas_per_sm);
+  if (err == cudaSuccess) err = dispatch_decode_ctas_per_sm(ordinal, p.v_bits, p.head_dim, true, &device.head_group_ctas_per_sm);
   if (err != cudaSuccess) return report_cuda(err, entry, "occupancy query");
   *plan = plan_decode(p, device, workspace_bytes);
   return FP8KTURBOV_STATUS_SUCCESS;
