@@ -26,8 +26,9 @@ namespace fp8kturbov {
 // Tiles per step of the warp-specialised kernel for a launch (PrefillWsTraits::kStepTiles): one
 // softmax over the scores of that many tiles, so that its fixed work (the row maxima's shuffles, the
 // corrections, O's rescale, the barrier waits) is paid once for them. Two at head_dim 128 and 256
-// over an expanded context; the consumers then need 240 registers (at 224 head_dim 256's spill in the
-// loop), which leaves the producer too few to dequantize: it only copies there.
+// over an expanded context, where that paid; the consumers then need 224 registers (240 at head_dim
+// 256, whose two tiles' scores spill at 224), which leaves the producer too few to dequantize (it only
+// copies there).
 FP8KTURBOV_HOST_DEVICE constexpr int prefill_ws_step_tiles(int head_dim, bool expanded) {
   return head_dim >= 128 && expanded ? 2 : 1;
 }
@@ -53,12 +54,12 @@ struct PrefillWsTraits {
   static constexpr int kBuffers = kStepTiles == 1 ? 3 : 2 * kStepTiles;
   // Registers per thread: kEntryRegisters at launch (ptxas gives a kernel with setmaxnreg all that
   // __launch_bounds__ allows), then the producer's work in fewer and the consumers' scores beside
-  // their output rows in more, the producer's release paying. The producer of two-tile steps, one
-  // thread's bulk copies, keeps the fewest that setmaxnreg allows.
+  // their output rows in more, the producer's release paying. Below 224 the consumers of two-tile
+  // steps have their wgmma serialised (ptxas C7512).
   static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;
   static_assert(kThreads * kEntryRegisters > 65536 / 2, "one CTA per SM, as prefill_ctas_per_sm assumes");
-  static constexpr int kProducerRegisters = kStepTiles > 1 ? 24 : 88;
-  static constexpr int kConsumerRegisters = kStepTiles > 1 ? 240 : 208;
+  static constexpr int kProducerRegisters = kStepTiles == 1 ? 88 : HEAD_DIM > 128 ? 24 : 56;
+  static constexpr int kConsumerRegisters = kStepTiles == 1 ? 208 : HEAD_DIM > 128 ? 240 : 224;
   static_assert(128 * (kEntryRegisters - kProducerRegisters) == 128 * kConsumers * (kConsumerRegisters - kEntryRegisters),
                 "the producer's release pays for the consumers' claims");
   static constexpr int kTileBytes = kKvTile * HEAD_DIM * 2;  // one fp16 K (or V) tile, blocked
@@ -220,10 +221,8 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>::k
   // A step's P·V is issued at its end and waited for with the next step's Q·Kᵀ; where the weights go
   // beside it, it is issued after that Q·Kᵀ instead, the scores alone are waited for, and the output
   // rows, which the product still holds, are rescaled once it is done. The first step has no P·V
-  // before it, and with steps of two the last may take one tile: steps of their own, so that the
-  // loop's steps have no branch around their products. So every step after the first follows one of
-  // kStepTiles tiles.
-  static_assert(T::kStepTiles <= 2, "one shorter step at most, of one tile");
+  // before it, and the last may take fewer tiles: steps of their own, so that the loop's steps have
+  // no branch around their products.
   constexpr int kStepWeights = T::kStepTiles * B::kScoreTiles / 2;
   uint32_t p[kStepWeights][4];  // the last step's weights: the A fragments of its P·V
   const auto tile_of = [&](int t) -> const typename T::Tile& { return sh.work.tiles[t % T::kBuffers]; };
@@ -236,10 +235,10 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>::k
         issue_wgmma_values<HEAD_DIM>(o, reinterpret_cast<uint32_t(&)[B::kScoreTiles / 2][4]>(p[i * B::kScoreTiles / 2]),
                                      shared_address(tile_of(t + i).v));
   };
-  // The step of tiles t ... t + kTiles - 1.
-  const auto step = [&](int t, auto step_tiles, auto after_values) {
+  // The step of tiles t ... t + STEP_TILES - 1, after the step of tiles prev ... prev + prev_tiles - 1.
+  const auto step = [&](int t, auto step_tiles, auto after_values, int prev, int prev_tiles) {
     constexpr int kTiles = decltype(step_tiles)::value;
-    constexpr bool kAfterValues = decltype(after_values)::value;  // a step before it, its P·V issued or to issue
+    constexpr bool kAfterValues = decltype(after_values)::value;  // the previous step's P·V issued or to issue
     constexpr bool kBeside = kAfterValues && T::kWeightsBesideValues;
     const int tile0 = w.first_tile0 + t * T::kKvTile;
     bool tiles_ok = true;
@@ -256,17 +255,15 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>::k
     // ---- scores: S = Q·Kᵀ, the warpgroup's 64 rows -------------------------------------------------
     float s[kTiles * B::kScoreTiles][4];
     wgmma_fence_operands(o);
-    if constexpr (T::kWeightsBesideValues) wgmma_fence_operands(p);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
       issue_wgmma_scores<T::kKvTile, HEAD_DIM>(reinterpret_cast<float(&)[B::kScoreTiles][4]>(s[i * B::kScoreTiles]),
                                                q_address, shared_address(tile_of(t + i).k));
     const auto release_previous = [&] {
-#pragma unroll
-      for (int i = 0; i < T::kStepTiles; ++i) release(t - T::kStepTiles + i);
+      for (int i = 0; i < prev_tiles; ++i) release(prev + i);
     };
     if constexpr (kBeside) {
-      issue_values(t - T::kStepTiles, T::kStepTiles);
+      issue_values(prev, prev_tiles);
       wgmma_wait<1>();  // the scores
     } else {
       wgmma_wait<0>();  // the scores and the previous step's P·V
@@ -289,19 +286,28 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>::k
     // ---- values: O += P·V, left in flight ----------------------------------------------------------
     if constexpr (!T::kWeightsBesideValues) issue_values(t, kTiles);
   };
+  using One = std::integral_constant<int, 1>;
+  using Full = std::integral_constant<int, T::kStepTiles>;
   if (w.num_tiles > 0) {
-    using Full = std::integral_constant<int, T::kStepTiles>;
-    using One = std::integral_constant<int, 1>;
-    const int last_tiles = w.num_tiles % T::kStepTiles == 0 ? T::kStepTiles : 1;  // the last step's
-    const int last = w.num_tiles - last_tiles;
-    if (w.num_tiles >= T::kStepTiles)
-      step(0, Full{}, std::false_type{});
-    else
-      step(0, One{}, std::false_type{});
-    for (int t = T::kStepTiles; t + T::kStepTiles <= w.num_tiles; t += T::kStepTiles) step(t, Full{}, std::true_type{});
-    if constexpr (T::kStepTiles > 1)
-      if (last_tiles < T::kStepTiles && last > 0) step(last, One{}, std::true_type{});
-    if constexpr (T::kWeightsBesideValues) issue_values(last, last_tiles);
+    int t = 0, prev_tiles = 0;
+    if (w.num_tiles >= T::kStepTiles) {
+      step(0, Full{}, std::false_type{}, 0, 0);
+      prev_tiles = T::kStepTiles;
+    } else {
+      step(0, One{}, std::false_type{}, 0, 0);
+      prev_tiles = 1;
+    }
+    for (t = prev_tiles; t + T::kStepTiles <= w.num_tiles; t += T::kStepTiles) {
+      step(t, Full{}, std::true_type{}, t - prev_tiles, prev_tiles);
+      prev_tiles = T::kStepTiles;
+    }
+    if constexpr (T::kStepTiles > 1) {
+      for (; t < w.num_tiles; ++t) {  // the last tiles, fewer than a step
+        step(t, One{}, std::true_type{}, t - prev_tiles, prev_tiles);
+        prev_tiles = 1;
+      }
+    }
+    if constexpr (T::kWeightsBesideValues) issue_values(t - prev_tiles, prev_tiles);
     wgmma_wait<0>();  // the last step's P·V
     wgmma_fence_operands(o);
   }
