@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(PrefillWsTraits<BITS, HEAD_DIM, STEP_TILES>::k
         issue_wgmma_values<HEAD_DIM>(o, reinterpret_cast<uint32_t(&)[B::kScoreTiles / 2][4]>(p[i * B::kScoreTiles / 2]),
                                      shared_address(tile_of(t + i).v));
   };
-  // The step of tiles t ... t + STEP_TILES - 1, after the step of tiles prev ... prev + prev_tiles - 1.
+  // The step of tiles t ... t + kTiles - 1, after the step of tiles prev ... prev + prev_tiles - 1.
   const auto step = [&](int t, auto step_tiles, auto after_values, int prev, int prev_tiles) {
     constexpr int kTiles = decltype(step_tiles)::value;
     constexpr bool kAfterValues = decltype(after_values)::value;  // the previous step's P·V issued or to issue
